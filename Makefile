@@ -1,0 +1,28 @@
+# The two set-up commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+# One install for both targets: the project, its test extras, and torch pinned first so that
+# nothing can pull a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/twospeed demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

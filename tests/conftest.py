@@ -1,0 +1,54 @@
+"""Shared fixtures: small random checkpoints written by transformers, one per supported architecture."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)  # tiny models: threads only add sync cost (and spin when cores are shared)
+
+# Odd shapes on purpose: head_dim not a power of two, kv heads != heads, hidden != heads * head_dim.
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=12, vocab_size=301, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=10, vocab_size=257, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=36, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        vocab_size=263, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=14, vocab_size=289, max_position_embeddings=512, tie_word_embeddings=False)),
+}
+
+
+def write_hf_checkpoint(path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """Save a random-weight transformers model of `arch` into `path` (HF layout) and return the model."""
+    import transformers
+
+    config_cls, model_cls, kwargs = ARCH_CONFIGS[arch]
+    config = getattr(transformers, config_cls)(**{**kwargs, **overrides}, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(dtype).eval()
+    # Random init gives near-uniform logits; a larger spread makes greedy ties impossible in practice.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05 if "embed" in name or "lm_head" in name else 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))
+def hf_checkpoint(request, tmp_path_factory):
+    """(arch, folder, transformers model) for each architecture, fp32."""
+    path = tmp_path_factory.mktemp(request.param)
+    model = write_hf_checkpoint(path, request.param)
+    return request.param, path, model

@@ -1,0 +1,125 @@
+"""`twospeed` command line. Engine options are generated from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+import typing
+
+from twospeed.config import CacheConfig, EngineConfig, SchedulerConfig
+
+_ENGINE_AREAS = (EngineConfig, CacheConfig, SchedulerConfig)
+_SKIP = {"model", "cache", "scheduler"}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, ...)."""
+    parser.add_argument("--model", default="demo", help="checkpoint folder (HF layout) or 'demo'")
+    for klass in _ENGINE_AREAS:
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in _SKIP:
+                continue
+            hint = hints[f.name]
+            base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+            kind = _bool if base is bool else base if base in (int, float) else str
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
+                                help=f"{klass.__name__}.{f.name}")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = {f.name for k in _ENGINE_AREAS for f in dataclasses.fields(k)} - _SKIP
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+# -- demo ----------------------------------------------------------------------------------------------
+WORDS = ("latency throughput prefill decode token cache block schedule request stream batch memory "
+         "bandwidth compute kernel attention query key value layer weight model server client budget").split()
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def demo_workload(seed: int = 0) -> list[tuple[float, str, str, int]]:
+    """(arrival offset s, label, prompt, max_tokens): short chats, one long document, two turns on one prefix."""
+    rng = random.Random(seed)
+    system = "You are a careful assistant. Tools: " + _text(rng, 700)
+    items = [(0.0, f"short-{i}", _text(rng, rng.randint(10, 40)), 48) for i in range(4)]
+    items.append((0.0, "long-doc", "Summarise: " + _text(rng, 1800), 24))
+    items.append((0.0, "prefix-turn-1", system + " User: " + _text(rng, 20), 32))
+    items.append((1.0, "prefix-turn-2", system + " User: " + _text(rng, 25), 32))
+    items += [(1.2, f"short-{i}", _text(rng, rng.randint(10, 40)), 48) for i in range(4, 6)]
+    return items
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from twospeed import LLM, SamplingParams
+    from twospeed.report import print_report
+
+    console = Console()
+    console.print(f"[bold]twospeed demo[/bold]: loading {args.model!r} ...")
+    llm = LLM(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    cfg = engine.scheduler_config
+    console.print(f"{engine.model_config.architecture}, {engine.model_config.num_params / 1e6:.0f}M params, "
+                  f"{engine.dtype}, {engine.num_blocks} KV blocks x {engine.kv.block_size} tokens, "
+                  f"budget {cfg.max_num_batched_tokens} tokens/step, chunked prefill "
+                  f"{'on' if cfg.enable_chunked_prefill else 'off'}, prefix cache "
+                  f"{'on' if engine.config.cache.enable_prefix_caching else 'off'}")
+    pending = sorted(demo_workload(args.seed or 0), key=lambda x: x[0])
+    labels: dict[str, str] = {}
+    finished = {}
+    start = time.monotonic()
+    steps = prefill_tokens = decode_tokens = 0
+    while pending or engine.has_unfinished_requests():
+        now = time.monotonic() - start
+        while pending and pending[0][0] <= now:
+            offset, label, prompt, max_tokens = pending.pop(0)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=len(labels),
+                                    ignore_eos=True)
+            req = engine.add_request(None, prompt, params, arrival_time=start + offset)
+            labels[req.request_id] = label
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        prefill_tokens += engine.last_stats.num_prefill_tokens
+        decode_tokens += engine.last_stats.num_decode_tokens
+    wall = time.monotonic() - start
+    outputs = [finished[rid] for rid in labels]
+    print_report(outputs, wall, [labels[o.request_id] for o in outputs], console)
+    console.print(f"{steps} engine steps: {prefill_tokens:,} prefill tokens and {decode_tokens:,} decode tokens "
+                  f"computed; {engine.scheduler.num_preemptions} preemptions; KV blocks cached for reuse: "
+                  f"{engine.kv.num_cached_blocks}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="twospeed", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="generate a small mixed batch and print the split clock and bill")
+    add_engine_args(demo)
+    demo.set_defaults(func=run_demo)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Configuration, composed per area and passed down explicitly.
+
+Each field says its unit. `EngineConfig` is what `LLM(...)` and the CLI build;
+every other module receives only the part it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The decoder's shape, read from a checkpoint's config.json by model/loader.py."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope parameters when rope_type != "default"
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, or Llama's attention_bias
+    o_bias: bool = False  # Llama's attention_bias also biases o_proj
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # tokens a query may look back (Mistral); None = full
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32  # the checkpoint's own dtype
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    num_gpu_blocks: int | None = None  # blocks in the pool; None = derive from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0  # GiB for the pool when num_gpu_blocks is None
+    enable_prefix_caching: bool = True  # share full blocks between requests by hash chain
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """How each step's token budget is filled."""
+
+    max_num_batched_tokens: int = 512  # tokens (prefill + decode) one step may compute
+    max_num_seqs: int = 64  # requests running at once
+    max_model_len: int = 4096  # tokens (prompt + output) one request may hold
+    enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # priority: lower value first
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
+
+    model: str  # checkpoint folder, or "demo"
+    dtype: str = "auto"  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
+    device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
+    seed: int = 0  # seeds unseeded sampling
+    skip_tokenizer_init: bool = False  # token ids in and out only
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Route flat keyword arguments (as vLLM's LLM takes them) to the per-area configs."""
+        parts: dict[str, dict] = {"cache": {}, "scheduler": {}, "engine": {}}
+        areas = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        for key, value in kwargs.items():
+            for area, klass in areas.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    parts[area][key] = value
+                    break
+            else:
+                if key not in {f.name for f in dataclasses.fields(cls)} or key in areas:
+                    raise TypeError(f"unknown engine option {key!r}")
+                parts["engine"][key] = value
+        return cls(model=model, cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])

@@ -1,0 +1,201 @@
+"""LLMEngine: add requests, step, read outputs.
+
+One step is: schedule (which tokens of which requests, on which blocks), run
+(one forward pass over the flat batch), sample, then update each request's
+tokens, clock and bill and check its stop conditions. The engine core is
+synchronous; the server drives `step()` from its own loop. After every step
+`last_stats` holds a `StepStats` for metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from twospeed.config import DTYPES, EngineConfig
+from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.request import Request, RequestOutput, RequestStatus
+from twospeed.engine.runner import ModelRunner, num_blocks_for
+from twospeed.engine.sampler import Sampler
+from twospeed.engine.sampling_params import SamplingParams
+from twospeed.engine.scheduler import Scheduler
+from twospeed.model.loader import load_model, load_model_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one step did; the server turns these into Prometheus metrics."""
+
+    time: float  # monotonic time at the end of the step
+    step_time: float  # seconds: schedule + forward + sample + update
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cached_blocks: int
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == "demo":
+        from twospeed.model.demo import demo_checkpoint_path
+        return demo_checkpoint_path()
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo')")
+    return path
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = load_model_config(self.model_path)
+        self.dtype = self.model_config.dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            from twospeed.model.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+        cache = config.cache
+        self.num_blocks = num_blocks_for(self.model_config, cache, self.dtype)
+        sched = config.scheduler
+        max_len = sched.max_model_len or self.model_config.max_position_embeddings
+        pool_len = self.num_blocks * cache.block_size
+        if max_len > pool_len:
+            log.warning("max_model_len %d exceeds the KV pool (%d blocks x %d tokens); using %d",
+                        max_len, self.num_blocks, cache.block_size, pool_len)
+            max_len = pool_len
+        budget = sched.max_num_batched_tokens if sched.enable_chunked_prefill else max(sched.max_num_batched_tokens, max_len)
+        self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len, max_num_batched_tokens=budget)
+        self.max_model_len = max_len
+
+        self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len)
+        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
+        self.sampler = Sampler(self.device, config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self.last_stats: StepStats | None = None
+        self._counter = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, priority: int = 0) -> Request:
+        """Validate and queue a request; raises ValueError before anything is allocated if it can never run."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (the engine was started with skip_tokenizer_init)")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             f"(prompt and at least one output token must fit)")
+        if self.kv.blocks_needed(len(ids) + 1) > self.num_blocks:
+            raise ValueError(f"the prompt needs {self.kv.blocks_needed(len(ids) + 1)} KV blocks; the pool has "
+                             f"{self.num_blocks}")
+        room = self.max_model_len - len(ids)
+        req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,
+                      eos_token_ids=self.eos_token_ids,
+                      max_output_tokens=min(params.max_tokens or room, room))
+        if params.seed is not None:
+            req.generator = self.sampler.make_generator(params.seed)
+        if self.tokenizer is not None:
+            from twospeed.model.tokenizer import IncrementalDetokenizer
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and return its KV blocks; False if it is unknown or already finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        out = self.scheduler.schedule()
+        touched: list[Request] = []
+        if out.chunks:
+            logits, sampling = self.runner.execute(out.chunks, self.kv)
+            self.scheduler.update_after_step(out, time.monotonic())
+            requests = [c.request for c in sampling]
+            tokens, logprobs = self.sampler(logits, requests)
+            now = time.monotonic()
+            for req, token, lp in zip(requests, tokens, logprobs):
+                req.append_token(token, now)
+                if lp is not None:
+                    req.logprobs.append(lp)
+                self._check_stop(req)
+                touched.append(req)
+        end = time.monotonic()
+        self.last_stats = StepStats(
+            time=end, step_time=end - start, num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_preempted=len(out.preempted),
+            kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
+            kv_cached_blocks=self.kv.num_cached_blocks)
+        return [self._output(r) for r in touched]
+
+    def _check_stop(self, req: Request) -> None:
+        token = req.output_token_ids[-1]
+        stop_str = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
+        status, reason = None, None
+        if len(req.output_token_ids) >= req.params.min_tokens:
+            if token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in req.params.stop_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, token
+            elif stop_str is not None:
+                status, reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and len(req.output_token_ids) >= req.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            req.stop_reason = reason
+            self.scheduler.finish_request(req, status)
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_token_ids[req.num_emitted:]
+        req.num_emitted = len(req.output_token_ids)
+        new_text = ""
+        if req.detokenizer is not None:
+            if req.is_finished:
+                req.detokenizer.finish()
+            new_text = req.detokenizer.take_delta()
+            req.text = req.detokenizer.output_text
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=req.text, new_token_ids=new_ids, new_text=new_text,
+            finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions)

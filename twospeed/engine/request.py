@@ -1,0 +1,198 @@
+"""A request's state, its split clock and its split bill.
+
+The clock holds raw timestamps (seconds, time.monotonic()) stamped by the
+scheduler and the engine; every derived number (queue_time, prefill_time, ttft,
+itl, tpot, ttlt) is computed from them exactly as DESIGN.md defines it. The
+bill counts every token by kind.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from twospeed.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV dropped; it will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class Clock:
+    """Lifecycle timestamps of one request; derived fields follow DESIGN.md's split clock."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    prefill_done: float | None = None  # the last prompt chunk was computed
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # emission time of every output token
+    finished: float | None = None
+    decode_steps: int = 0  # steps that computed one of its decode tokens
+    interfered_steps: int = 0  # of those, steps that also ran another request's prefill chunk
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.prefill_done is None or self.first_scheduled is None:
+            return None
+        return self.prefill_done - self.first_scheduled
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive output tokens (0 for tokens emitted in the same step)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def ttlt(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        if n < 2 or self.ttlt is None:
+            return None
+        return (self.ttlt - self.ttft) / (n - 1)
+
+    def summary(self) -> dict[str, float | None]:
+        """The derived clock in seconds, with ITL percentiles, for reports and the API."""
+        itl = sorted(self.itl)
+        return {"queue_time": self.queue_time, "prefill_time": self.prefill_time, "ttft": self.ttft,
+                "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "itl_max": itl[-1] if itl else None,
+                "tpot": self.tpot, "ttlt": self.ttlt}
+
+
+def percentile(sorted_values: list[float], p: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method) of an already sorted list."""
+    if not sorted_values:
+        return None
+    k = (len(sorted_values) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+@dataclass(slots=True)
+class Bill:
+    """Tokens by kind. prompt_tokens = cached_tokens + prefilled_tokens always."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission (no prefill compute)
+    prefilled_tokens: int = 0  # prompt tokens that paid a full prefill
+    output_tokens: int = 0  # tokens emitted (paid decode)
+    recomputed_tokens: int = 0  # tokens computed again after a preemption dropped their KV
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "prefilled_tokens": self.prefilled_tokens, "output_tokens": self.output_tokens,
+                "recomputed_tokens": self.recomputed_tokens}
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The sampled token's log-probability under the model, its rank and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: dict[int, float]  # token id -> logprob, the n most likely
+
+
+class Request:
+    """Everything the scheduler and engine track for one request.
+
+    The one accounting rule: `num_computed_tokens` of `num_tokens` (prompt +
+    output so far) have KV in the cache; each step computes some of the rest.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                 eos_token_ids: frozenset[int] = frozenset(), max_output_tokens: int):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.clock = Clock(arrival=time.monotonic() if arrival_time is None else arrival_time)
+        self.bill = Bill(prompt_tokens=len(prompt_token_ids))
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.max_output_tokens = max_output_tokens  # params.max_tokens clipped to max_model_len
+        self.logprobs: list[Logprob] = []
+        self.num_preemptions = 0
+        self.high_water = 0  # tokens computed before the latest preemption (recompute accounting)
+        self.generator = None  # torch.Generator when params.seed is set (made by the sampler)
+        self.detokenizer = None  # IncrementalDetokenizer when a tokenizer is loaded
+        self.text = ""
+        self.num_emitted = 0  # output tokens already reported in a RequestOutput
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        self.bill.output_tokens += 1
+        if self.clock.first_token is None:
+            self.clock.first_token = now
+        self.clock.token_times.append(now)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, prompt={self.num_prompt_tokens})")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request produced so far. For streaming, new_token_ids / new_text hold this step's delta."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[Logprob] | None
+    clock: Clock
+    bill: Bill
+    num_preemptions: int = 0

@@ -1,0 +1,85 @@
+"""Pack a step's chunks into one flat batch, run the model, return the logits that sample.
+
+The runner owns the KV cache tensors: [num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]. The batch puts single-token chunks first (the batched
+decode path of the attention) and multi-token chunks after (per-request
+prefill spans), so one forward pass serves any mix of prefill and decode.
+Only the rows that sample go through the vocabulary matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twospeed.config import CacheConfig, ModelConfig
+from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.scheduler import ScheduledChunk
+from twospeed.model.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_mask
+from twospeed.model.llama import LlamaForCausalLM
+
+GiB = 1 << 30
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    """Pool size: num_gpu_blocks if given, else as many blocks as kv_cache_memory_gb holds."""
+    if cache.num_gpu_blocks is not None:
+        return cache.num_gpu_blocks
+    return max(1, int(cache.kv_cache_memory_gb * GiB) // kv_bytes_per_block(cfg, cache.block_size, dtype))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        cfg = model.cfg
+        self.model, self.block_size, self.device = model, block_size, device
+        self.sliding_window = cfg.sliding_window
+        # Zeroed, not empty: padded decode slots are read (then masked), and 0 * NaN garbage would poison the sum.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    dtype=dtype, device=device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step. Returns logits [S, vocab] float32 and the S chunks they belong to, in that order."""
+        ordered = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for c in ordered:
+            table = kv.block_ids(c.request.request_id)
+            tables.append(table)
+            end = c.start + c.num_tokens
+            ids += c.request.all_token_ids[c.start:end]
+            positions += range(c.start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(c.start, end)]
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                                 num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1))
+        d = meta.num_decode_tokens
+        if d:
+            width = max(len(t) for t in tables[:d])
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:d]],
+                                                    dtype=torch.int64, device=dev)
+            meta.decode_mask = decode_mask([c.start + 1 for c in ordered[:d]], width * bs, self.sliding_window, dev)
+        offset = d
+        for c, table in zip(ordered[d:], tables[d:]):
+            ctx = c.start + c.num_tokens
+            meta.prefills.append(PrefillSpan(
+                start=offset, num_tokens=c.num_tokens, context_len=ctx,
+                block_table=torch.tensor(table[: -(-ctx // bs)], dtype=torch.int64, device=dev),
+                mask=causal_mask(c.num_tokens, ctx, self.sliding_window, dev)))
+            offset += c.num_tokens
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                            torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
+        return logits, [c for c in ordered if c.samples]

@@ -1,0 +1,194 @@
+"""Continuous batching with one token-accounting rule.
+
+Every request has `num_computed_tokens` of `num_tokens`. Each step fills a
+budget of `max_num_batched_tokens`: running requests first (a decode costs one
+token; a prompt being chunked takes what is left of the budget), then waiting
+requests in policy order, each starting at its prefix-cache hit. There is no
+prefill phase and no decode phase: chunked prefill, prefix hits and recompute
+after preemption all fall out of the same loop. When the KV pool runs dry,
+the lowest-priority running request (fcfs: the latest to arrive) is preempted:
+its blocks are freed, it waits again, and later recomputes its prompt and the
+tokens it already produced. Bookkeeping only: no torch here, so the planner
+can drive it with a cost model in place of the model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from twospeed.config import SchedulerConfig
+from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of one request, computed in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool = False  # reaches the last known token, so its logits give the next one
+    is_decode: bool = False  # computes the token sampled in the previous step (not prompt, not recompute)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.samples = self.start + self.num_tokens == r.num_tokens
+        self.is_decode = (self.num_tokens == 1 and self.samples and len(r.output_token_ids) > 0
+                          and self.start >= r.high_water)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.kv = kv
+        self.clock = clock
+        self.waiting: list[Request] = []  # kept sorted by _order
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seq = itertools.count()  # arrival order, the tie-breaker
+        self._arrival_seq: dict[str, int] = {}
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of those, found in the prefix cache
+
+    # -- queues ---------------------------------------------------------------------------------
+    def _order(self, req: Request) -> tuple:
+        seq = self._arrival_seq[req.request_id]
+        return (req.priority, seq) if self.cfg.scheduling_policy == "priority" else (seq,)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._arrival_seq[req.request_id] = next(self._seq)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [self._order(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._order(req)), req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort): its blocks go back to the pool now."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        req.clock.finished = self.clock()
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self._arrival_seq.pop(req.request_id, None)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        now = self.clock()
+        scheduled: dict[str, ScheduledChunk] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = max(self.running, key=self._order)
+                j = self.running.index(victim)
+                budget += self._preempt(victim, scheduled, out)
+                if victim is req:
+                    break
+                if j < i:
+                    i -= 1  # the list shifted under us
+            else:
+                chunk = ScheduledChunk(req, req.num_computed_tokens, n)
+                scheduled[req.request_id] = chunk
+                budget -= n
+                i += 1
+        # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
+        out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
+
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req.all_token_ids)
+            num_cached = len(cached) * self.kv.block_size
+            n = req.num_tokens - num_cached
+            if not self.cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(req.request_id, num_cached + n, cached):
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.clock.first_scheduled is None:
+                req.clock.first_scheduled = now
+                req.bill.cached_tokens = min(num_cached, req.num_prompt_tokens)
+                req.bill.prefilled_tokens = req.num_prompt_tokens - req.bill.cached_tokens
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += req.bill.cached_tokens
+            out.chunks.append(ScheduledChunk(req, num_cached, n))
+            budget -= n
+        for chunk in out.chunks:
+            r = chunk.request
+            r.bill.recomputed_tokens += max(0, min(chunk.start + chunk.num_tokens, r.high_water) - chunk.start)
+        return out
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
+        """Free the victim's blocks and send it back to waiting; returns budget given back."""
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.high_water = max(victim.high_water, victim.num_computed_tokens)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self._enqueue(victim)
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        chunk = scheduled.pop(victim.request_id, None)
+        return chunk.num_tokens if chunk else 0
+
+    def update_after_step(self, out: SchedulerOutput, now: float) -> None:
+        """The model computed the step's chunks: advance counters, cache full blocks, stamp the clock."""
+        has_prefill = out.num_prefill_tokens > 0
+        for chunk in out.chunks:
+            req = chunk.request
+            if chunk.is_decode:
+                req.clock.decode_steps += 1
+                if has_prefill:
+                    req.clock.interfered_steps += 1
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if req.clock.prefill_done is None and req.num_computed_tokens >= req.num_prompt_tokens:
+                req.clock.prefill_done = now

@@ -1,0 +1,52 @@
+"""`LLM`: the offline Python API, as vLLM users know it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twospeed.config import EngineConfig
+from twospeed.engine.engine import LLMEngine
+from twospeed.engine.request import RequestOutput
+from twospeed.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """LLM(model, **engine_options).generate(prompts, params) -> outputs with .text, .token_ids, .clock, .bill.
+
+    model is a Hugging Face checkpoint folder or "demo"; options are the fields of CacheConfig,
+    SchedulerConfig and EngineConfig (dtype, device, block_size, num_gpu_blocks, max_num_batched_tokens, ...).
+    """
+
+    def __init__(self, model: str = "demo", **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priorities: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, continuously batched; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                req = self.engine.add_request(None, prompt, p, priority=priorities[i] if priorities else 0)
+                ids.append(req.request_id)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]

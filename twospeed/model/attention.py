@@ -1,0 +1,109 @@
+"""Attention over the paged KV cache for one flat batch.
+
+A step's flat batch holds the new tokens of several requests: decode tokens
+(query length 1) first, then prefill chunks (query length > 1, possibly
+continuing an earlier chunk or a prefix-cache hit). The runner builds one
+`AttentionMetadata` per step; every layer reuses it.
+
+The KV cache of one layer is a pair of tensors [num_blocks, block_size,
+num_kv_heads, head_dim]; a request's tokens live in the blocks its block table
+names, so position p is at slot block_table[p // block_size] * block_size +
+p % block_size.
+
+`TorchPagedAttention` is the portable backend (any torch device): it gathers a
+request's blocks and calls scaled_dot_product_attention. A device-specific
+backend (a paged kernel, CUDA graphs) implements the same `forward` and is
+tested against this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One request's prefill chunk inside the flat batch."""
+
+    start: int  # index of its first query token in the flat batch
+    num_tokens: int  # query tokens in this chunk
+    context_len: int  # tokens it attends to (cached + earlier chunks + this chunk)
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend; None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
+    num_decode_tokens: int  # the first D tokens of the batch are decodes
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def causal_mask(num_tokens: int, context_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[num_tokens, context_len] mask for a chunk whose queries are the last num_tokens positions of the context.
+
+    Returns None when the chunk starts at position 0 with no window: SDPA's own is_causal is then exact and faster.
+    """
+    if context_len == num_tokens and (sliding_window is None or sliding_window >= num_tokens):
+        return None
+    q_pos = torch.arange(context_len - num_tokens, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def decode_mask(seq_lens: list[int], width: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[D, 1, 1, width] mask: key j is visible to a decode query at position len-1."""
+    lens = torch.tensor(seq_lens, device=device)[:, None]
+    k_pos = torch.arange(width, device=device)[None, :]
+    mask = k_pos < lens
+    if sliding_window is not None:
+        mask &= k_pos > lens - 1 - sliding_window
+    return mask[:, None, None, :]
+
+
+class TorchPagedAttention:
+    """Portable paged attention: gather the blocks, then scaled_dot_product_attention."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.gqa = num_heads != num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, H, hd]; k, v: [T, KVH, hd]; k_cache, v_cache: [N, bs, KVH, hd]
+        num_blocks, block_size = k_cache.shape[:2]
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        d = meta.num_decode_tokens
+        if d:
+            tables = meta.decode_block_tables
+            # [D, max_blocks, bs, KVH, hd] -> [D, KVH, L, hd]
+            kd = k_cache[tables].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
+            # The G query heads of one KV head become its "query length": [D, KVH, G, hd]. One dense SDPA
+            # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
+            qd = q[:d].view(d, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+            out[:d] = od.reshape(d, self.num_heads, self.head_dim)
+        for span in meta.prefills:
+            s, e = span.start, span.start + span.num_tokens
+            if span.context_len == span.num_tokens:
+                kp, vp = k[s:e], v[s:e]  # nothing before this chunk: use the fresh K/V directly
+            else:
+                kp = k_cache[span.block_table].flatten(0, 1)[: span.context_len]
+                vp = v_cache[span.block_table].flatten(0, 1)[: span.context_len]
+            # 4-D inputs: SDPA's fused CPU kernel only takes batched tensors (3-D falls back to the slow math path)
+            op = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
+                attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=self.gqa)
+            out[s:e] = op[0].transpose(0, 1)
+        return out

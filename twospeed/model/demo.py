@@ -1,0 +1,253 @@
+"""The built-in demo checkpoint: a deterministic random-weight Llama in the real HF folder layout.
+
+Why: every test, benchmark and `twospeed serve` without a model needs a checkpoint that
+goes through the same loader, tokenizer and forward pass as a downloaded one, with no
+network. The weights are random (the text is nonsense) but the shapes, names, files,
+tokenizer and chat template are real, so HF transformers loads the same folder and
+serves as the reference.
+
+Outputs: `write_demo_checkpoint(path)` writes config.json, generation_config.json,
+model.safetensors, tokenizer.json and tokenizer_config.json; `demo_checkpoint_path()`
+builds it once into a cache folder and returns that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# Bump when anything that changes the written files changes (corpus, seeds, template),
+# so an old cache folder is never served as the new checkpoint.
+DEMO_VERSION = "demo-v1"
+DEMO_VOCAB_SIZE = 8192
+DEMO_SEED = 1234
+
+BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END, PAD)  # the trainer gives them ids 0..4 in this order
+
+DEMO_CONFIG: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": DEMO_VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": True,
+    "dtype": "bfloat16",
+    "bos_token_id": SPECIAL_TOKENS.index(BOS),
+    "eos_token_id": SPECIAL_TOKENS.index(EOS),
+}
+
+# ChatML with optional tools (rendered with tojson, as Qwen-style templates do).
+# No bos: like HF, the engine encodes a rendered chat with add_special_tokens=False.
+DEMO_CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "{{- '<|im_start|>system\\n' }}\n"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}\n"
+    "{{- 'You may call these tools:\\n<tools>' }}\n"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}\n"
+    "{{- '\\n</tools>\\nTo call one, reply with ' }}\n"
+    "{{- '<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}\n"
+    "{%- elif messages[0].role == 'system' %}\n"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "{%- if message.role == 'system' and loop.first %}\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls is defined %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if message.content %}{{- message.content + '\\n' }}{%- endif %}\n"
+    "{%- for call in message.tool_calls %}\n"
+    "{%- set fn = call.function if call.function is defined else call %}\n"
+    "{%- set args = fn.arguments if fn.arguments is string else fn.arguments | tojson %}\n"
+    "{{- '<tool_call>{\"name\": \"' + fn.name + '\", \"arguments\": ' + args + '}</tool_call>' }}\n"
+    "{%- endfor %}\n"
+    "{{- '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+
+_COMMON_WORDS = (
+    "the of and to in is that for it as with was on be by at this are from or have an they which one you were "
+    "her all she there would their we him been has when who will more no if out so said what up its about into "
+    "than them can only other new some could time these two may then do first any my now such like our over man "
+    "me even most made after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men work long get "
+    "here between both life being under never day same another know while last might us great old year off come "
+    "since against go came right used take three model token cache request server latency prefill decode batch"
+).split()
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "br", "ch", "sh",
+           "th", "st", "tr", "pl", "gr", "qu", "sp")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "io", "y")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "rt")
+
+
+def _synthetic_corpus() -> list[str]:
+    """English-like prose, numbers, JSON and code from a fixed seed: enough distinct words for 8k merges."""
+    rng = random.Random(0)
+    syllables = [o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS]
+    coined = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(20000)})
+    lexicon = _COMMON_WORDS * 20 + coined
+
+    def sentence() -> str:
+        words = rng.choices(lexicon, k=rng.randint(4, 16))
+        return " ".join(words).capitalize() + rng.choice(".....?!;:")
+
+    lines = []
+    for i in range(8000):
+        kind = i % 6
+        if kind <= 2:
+            lines.append(" ".join(sentence() for _ in range(rng.randint(1, 3))))
+        elif kind == 3:
+            lines.append(f"{rng.randint(0, 10 ** rng.randint(1, 9))} {rng.uniform(-1000, 1000):.{rng.randint(1, 4)}f} "
+                         f"{rng.randint(1900, 2099)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d} "
+                         f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} {rng.randint(0, 100)}%")
+        elif kind == 4:
+            record = {rng.choice(lexicon): rng.choice([rng.randint(0, 9999), rng.choice(lexicon), True, None,
+                                                      [rng.randint(0, 99) for _ in range(3)]])
+                      for _ in range(rng.randint(1, 5))}
+            lines.append(json.dumps(record, indent=rng.choice([None, 2])))
+        else:
+            fn, a, b = rng.choice(coined), rng.choice(coined), rng.choice(coined)
+            lines.append(f"def {fn}_{a}({a}, {b}=None):\n    if {b} is None:\n        return [{a}]\n"
+                         f"    {b}[\"{a}\"] += {rng.randint(0, 99)}  # {sentence()}\n    return {{{a}: {b}}}\n")
+    return lines
+
+
+def build_demo_tokenizer() -> Tokenizer:
+    """Train the demo byte-level BPE tokenizer (Llama-3 / GPT-2 style) on the synthetic corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=DEMO_VOCAB_SIZE,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: emoji never hit an unknown
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_synthetic_corpus(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A:0", pair=f"{BOS} $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)])
+    if tokenizer.get_vocab_size(with_added_tokens=True) != DEMO_VOCAB_SIZE:
+        raise RuntimeError(f"demo tokenizer has {tokenizer.get_vocab_size()} tokens, want {DEMO_VOCAB_SIZE}")
+    if [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError("demo special tokens did not get ids 0..4")
+    return tokenizer
+
+
+def write_demo_tokenizer(path: str | Path) -> Path:
+    """Write only tokenizer.json and tokenizer_config.json (tests of the tokenizer need no weights)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_demo_tokenizer().save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": DEMO_CONFIG["max_position_embeddings"],
+        "chat_template": DEMO_CHAT_TEMPLATE,
+    }
+    _write_json(path / "tokenizer_config.json", tokenizer_config)
+    return path
+
+
+def demo_state_dict(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[str, torch.Tensor]:
+    """GPT-2 style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers), norms one."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    residual_scale = 1.0 / math.sqrt(2 * layers)
+
+    def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        # Drawn in float32 in a fixed order, then rounded: the bytes depend only on the seed.
+        return (torch.randn(*shape, generator=gen, dtype=torch.float32) * (0.02 * scale)).to(torch.bfloat16)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = ones(hidden)
+        weights[p + "self_attn.q_proj.weight"] = normal(q_dim, hidden)  # [out, in], as nn.Linear stores it
+        weights[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden)
+        weights[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden)
+        weights[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim, scale=residual_scale)
+        weights[p + "post_attention_layernorm.weight"] = ones(hidden)
+        weights[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
+        weights[p + "mlp.up_proj.weight"] = normal(inter, hidden)
+        weights[p + "mlp.down_proj.weight"] = normal(hidden, inter, scale=residual_scale)
+    weights["model.norm.weight"] = ones(hidden)
+    return weights  # no lm_head.weight: tie_word_embeddings
+
+
+def write_demo_checkpoint(path: str | Path) -> Path:
+    """Write the demo checkpoint to `path` atomically and return `path`.
+
+    Files go to a temp folder beside `path`, then one rename publishes them, so a reader
+    (or a second builder racing this one) never sees a half-written folder. If `path`
+    already holds a checkpoint (another builder won the race) that one is kept.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _write_json(tmp / "config.json", DEMO_CONFIG)
+        _write_json(tmp / "generation_config.json",
+                    {"bos_token_id": DEMO_CONFIG["bos_token_id"], "eos_token_id": DEMO_CONFIG["eos_token_id"]})
+        write_demo_tokenizer(tmp)
+        save_file(demo_state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # safetensors writes 0600; a shared cache must be readable
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(tmp, path)  # atomic; also succeeds onto an empty folder
+        except OSError:
+            if not (path / "config.json").is_file():
+                raise FileExistsError(f"{path} exists and is not a demo checkpoint") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def demo_checkpoint_path() -> Path:
+    """The cached demo checkpoint folder ($TWOSPEED_CACHE or ~/.cache/twospeed), built on first use."""
+    root = Path(os.environ.get("TWOSPEED_CACHE") or Path.home() / ".cache" / "twospeed")
+    key = hashlib.sha256((json.dumps(DEMO_CONFIG, sort_keys=True) + DEMO_VERSION).encode()).hexdigest()[:12]
+    path = root / f"demo-{key}"
+    if not (path / "config.json").is_file():
+        write_demo_checkpoint(path)
+    return path
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    print(demo_checkpoint_path())
