@@ -71,6 +71,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from twospeed.report import print_report
 
     console = Console()
+    if console.width < 150 and not console.is_terminal:
+        console = Console(width=150)  # a log file or CI: don't squeeze the tables to 80 columns
     console.print(f"[bold]twospeed demo[/bold]: loading {args.model!r} ...")
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.engine

@@ -71,10 +71,12 @@ class LLMEngine:
         sched = config.scheduler
         max_len = sched.max_model_len or self.model_config.max_position_embeddings
         pool_len = self.num_blocks * cache.block_size
+        self._len_limit = "max_model_len"
         if max_len > pool_len:
             log.warning("max_model_len %d exceeds the KV pool (%d blocks x %d tokens); using %d",
                         max_len, self.num_blocks, cache.block_size, pool_len)
             max_len = pool_len
+            self._len_limit = f"max_model_len (limited by the KV pool: {self.num_blocks} blocks of {cache.block_size} tokens)"
         budget = sched.max_num_batched_tokens if sched.enable_chunked_prefill else max(sched.max_num_batched_tokens, max_len)
         self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len, max_num_batched_tokens=budget)
         self.max_model_len = max_len
@@ -111,11 +113,8 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             f"(prompt and at least one output token must fit)")
-        if self.kv.blocks_needed(len(ids) + 1) > self.num_blocks:
-            raise ValueError(f"the prompt needs {self.kv.blocks_needed(len(ids) + 1)} KV blocks; the pool has "
-                             f"{self.num_blocks}")
+            raise ValueError(f"the prompt has {len(ids)} tokens but {self._len_limit} is {self.max_model_len} "
+                             f"(the prompt and at least one output token must fit)")
         room = self.max_model_len - len(ids)
         req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,
                       eos_token_ids=self.eos_token_ids,

@@ -92,6 +92,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free_queue.popitem(last=False)
+            self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -106,7 +107,7 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free_queue[block.block_id]
+                pass
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
