@@ -69,9 +69,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, hd]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, hd], looked up once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +84,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -88,11 +92,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, hd]
@@ -100,7 +103,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, hd]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -117,15 +120,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -142,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -157,8 +160,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
