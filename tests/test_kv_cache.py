@@ -274,7 +274,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         base=st.integers(0, 2),
         prefix_len=st.integers(0, 24),
         suffix=st.lists(ALPHABET, max_size=6),
-        chunk=st.integers(1, 16),
+        chunk=st.integers(1, 32),
     )
     def add_request(self, base, prefix_len, suffix, chunk):
         tokens = self.bases[base][:prefix_len] + suffix

@@ -107,7 +107,7 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         for block in blocks:
             if block.ref_cnt == 0:
-                pass
+                del self._free_queue[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
