@@ -76,15 +76,22 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 512  # tokens (prefill + decode) one step may compute
     max_num_seqs: int = 64  # requests running at once
-    max_model_len: int = 4096  # tokens (prompt + output) one request may hold
+    max_model_len: int | None = None  # tokens (prompt + output) one request may hold; None = the model's limit
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # priority: lower value first
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or (self.max_model_len or 1) < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per step. Without chunking a whole prompt must fit one step, so the budget covers max_model_len."""
+        if self.enable_chunked_prefill or self.max_model_len is None:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
 
 
 @dataclass(slots=True)

@@ -77,8 +77,7 @@ class LLMEngine:
                         max_len, self.num_blocks, cache.block_size, pool_len)
             max_len = pool_len
             self._len_limit = f"max_model_len (limited by the KV pool: {self.num_blocks} blocks of {cache.block_size} tokens)"
-        budget = sched.max_num_batched_tokens if sched.enable_chunked_prefill else max(sched.max_num_batched_tokens, max_len)
-        self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len, max_num_batched_tokens=budget)
+        self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len)
         self.max_model_len = max_len
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len)
@@ -125,7 +124,7 @@ class LLMEngine:
             from twospeed.model.tokenizer import IncrementalDetokenizer
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output)
+                include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         self.scheduler.add_request(req)
         return req
 

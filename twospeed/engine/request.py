@@ -93,11 +93,11 @@ def percentile(sorted_values: list[float], p: float) -> float | None:
 
 @dataclass(slots=True)
 class Bill:
-    """Tokens by kind. prompt_tokens = cached_tokens + prefilled_tokens always."""
+    """Tokens by kind. Once the prompt is computed, prompt_tokens = cached_tokens + prefilled_tokens."""
 
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission (no prefill compute)
-    prefilled_tokens: int = 0  # prompt tokens that paid a full prefill
+    cached_tokens: int = 0  # prompt tokens whose KV first came from the prefix cache (no prefill compute)
+    prefilled_tokens: int = 0  # prompt tokens whose KV was first computed by this request
     output_tokens: int = 0  # tokens emitted (paid decode)
     recomputed_tokens: int = 0  # tokens computed again after a preemption dropped their KV
 
@@ -143,7 +143,7 @@ class Request:
         self.max_output_tokens = max_output_tokens  # params.max_tokens clipped to max_model_len
         self.logprobs: list[Logprob] = []
         self.num_preemptions = 0
-        self.high_water = 0  # tokens computed before the latest preemption (recompute accounting)
+        self.high_water = 0  # positions [0, high_water) were computed or served from cache at least once
         self.generator = None  # torch.Generator when params.seed is set (made by the sampler)
         self.detokenizer = None  # IncrementalDetokenizer when a tokenizer is loaded
         self.text = ""

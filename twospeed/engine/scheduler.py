@@ -114,7 +114,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.cfg.token_budget
         now = self.clock()
         scheduled: dict[str, ScheduledChunk] = {}
 
@@ -154,22 +154,19 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.clock.first_scheduled is None:
                 req.clock.first_scheduled = now
-                req.bill.cached_tokens = min(num_cached, req.num_prompt_tokens)
-                req.bill.prefilled_tokens = req.num_prompt_tokens - req.bill.cached_tokens
                 self.prefix_queries += req.num_prompt_tokens
-                self.prefix_hits += req.bill.cached_tokens
+                self.prefix_hits += min(num_cached, req.num_prompt_tokens)
+            _bill_cache_hit(req, num_cached)
             out.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
         for chunk in out.chunks:
-            r = chunk.request
-            r.bill.recomputed_tokens += max(0, min(chunk.start + chunk.num_tokens, r.high_water) - chunk.start)
+            _bill_chunk(chunk)
         return out
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
         """Free the victim's blocks and send it back to waiting; returns budget given back."""
         self.running.remove(victim)
         self.kv.free(victim.request_id)
-        victim.high_water = max(victim.high_water, victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
@@ -192,3 +189,21 @@ class Scheduler:
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.clock.prefill_done is None and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.clock.prefill_done = now
+
+
+# Billing: each prompt position is billed once, by how the request first got its KV: from the prefix
+# cache (cached_tokens) or by computing it (prefilled_tokens). Every later computation of a position
+# (after a preemption dropped it) is a recomputed token. Positions [0, high_water) have been seen:
+# admission and chunks always run contiguously from position 0, so one number tracks them.
+def _bill_cache_hit(req: Request, num_cached: int) -> None:
+    p = req.num_prompt_tokens
+    req.bill.cached_tokens += max(0, min(num_cached, p) - min(req.high_water, p))
+    req.high_water = max(req.high_water, num_cached)
+
+
+def _bill_chunk(chunk: ScheduledChunk) -> None:
+    req, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+    p = req.num_prompt_tokens
+    req.bill.recomputed_tokens += max(0, min(end, req.high_water) - start)
+    req.bill.prefilled_tokens += max(0, min(end, p) - min(max(start, req.high_water), p))
+    req.high_water = max(req.high_water, end)

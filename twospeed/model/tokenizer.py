@@ -105,8 +105,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings only count once this many tokens were added
+        self._num_tokens = 0
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -125,6 +127,7 @@ class IncrementalDetokenizer:
         if self.stop_hit is not None or self._finished:
             return None  # the request is over; late tokens (e.g. the rest of a speculative run) are dropped
         self._ids.extend(new_token_ids)
+        self._num_tokens += len(new_token_ids)
         return self._append(self._decode_new(flush=False))
 
     def finish(self) -> None:
@@ -164,6 +167,8 @@ class IncrementalDetokenizer:
             return None
         start = max(0, len(self.output_text) - self._max_stop + 1)  # a stop may begin in the old text
         self.output_text += new_text
+        if self._num_tokens < self.min_tokens:
+            return None
         hits = [(i, s) for s in self.stop if (i := self.output_text.find(s, start)) >= 0]
         if not hits:
             return None

@@ -1,0 +1,495 @@
+"""Scheduler bookkeeping without a model: exact step-by-step chunk lists, then random operations.
+
+A `Sim` drives `Scheduler` + `KVCacheManager` as `LLMEngine.step()` does (schedule, "run",
+update_after_step, sample one token per sampling chunk, finish at max tokens), with a fake
+clock and a fake model whose next token depends only on the tokens so far, so a request's
+output is the same whatever the batch, chunking or preemption. The "runner" writes each
+computed position's prefix into the slot its block table names, so a test can check that
+every computed position of every running request reads back KV of its own prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from twospeed.config import SchedulerConfig
+from twospeed.engine.kv_cache import KVCacheManager, hash_block_tokens
+from twospeed.engine.request import Request, RequestStatus
+from twospeed.engine.sampling_params import SamplingParams
+from twospeed.engine.scheduler import Scheduler, SchedulerOutput
+
+
+def fake_token(tokens: list[int]) -> int:
+    """The fake model: deterministic in the tokens so far (like greedy on a real model)."""
+    return 3 + (sum(tokens[-3:]) * 7 + len(tokens)) % 50
+
+
+class Sim:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, **sched):
+        self.t = 0.0
+        self.bs = block_size
+        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.cfg = SchedulerConfig(**sched)
+        self.sched = Scheduler(self.cfg, self.kv, clock=lambda: self.t)
+        self.slots: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
+        self.outputs: list[SchedulerOutput] = []
+        self.computed: Counter[str] = Counter()  # tokens computed per request, over all incarnations
+        self.reqs: dict[str, Request] = {}
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=self.t,
+                      priority=priority, max_output_tokens=max_tokens)
+        self.sched.add_request(req)
+        self.reqs[rid] = req
+        return req
+
+    def step(self) -> SchedulerOutput:
+        """Step k schedules at time k and finishes (update, sample, stamp) at k + 0.5."""
+        self.t = math.floor(self.t) + 1.0
+        out = self.sched.schedule()
+        for c in out.chunks:  # the runner: write the KV of positions [start, start + n)
+            r = c.request
+            table = self.kv.block_ids(r.request_id)
+            assert len(table) * self.bs >= c.start + c.num_tokens, f"{r} table too short for {c}"
+            for p in range(c.start, c.start + c.num_tokens):
+                block = self.kv.pool.blocks[table[p // self.bs]]
+                assert block.ref_cnt == 1, f"{r} writes position {p} into shared block {block.block_id}"
+                self.slots[block.block_id][p % self.bs] = tuple(r.all_token_ids[: p + 1])
+            self.computed[r.request_id] += c.num_tokens
+        self.t += 0.5
+        self.sched.update_after_step(out, self.t)
+        for c in out.chunks:
+            r = c.request
+            if c.samples:
+                r.append_token(fake_token(r.all_token_ids), self.t)
+                if len(r.output_token_ids) >= r.max_output_tokens:
+                    self.sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+        self.outputs.append(out)
+        return out
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"still unfinished after {max_steps} steps: {self.sched.running} {self.sched.waiting}")
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(fake_token(tokens))
+    return tokens[len(prompt):]
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+# --- exact expectations ------------------------------------------------------
+
+
+def test_token_budget_and_chunked_prefill():
+    sim = Sim(32, 4, max_num_batched_tokens=8)
+    a = sim.add("a", list(range(10, 20)), 3)
+    b = sim.add("b", [7, 8, 9], 2)
+
+    out = sim.step()
+    assert chunks(out) == [("a", 0, 8)]  # the budget is spent on a's first chunk; b waits
+    assert not out.chunks[0].samples and a.output_token_ids == []
+    assert a.clock.first_scheduled == 1.0 and a.clock.prefill_done is None
+    assert b.clock.first_scheduled is None and b.status == RequestStatus.WAITING
+
+    out = sim.step()
+    assert chunks(out) == [("a", 8, 2), ("b", 0, 3)]
+    assert [c.samples for c in out.chunks] == [True, True]
+    assert out.num_prefill_tokens == 5 and out.num_decode_tokens == 0
+    assert a.clock.prefill_done == 2.5 and b.clock.first_scheduled == 2.0 and b.clock.prefill_done == 2.5
+
+    out = sim.step()
+    assert chunks(out) == [("a", 10, 1), ("b", 3, 1)]
+    assert [c.is_decode for c in out.chunks] == [True, True]
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.clock.finished == 3.5
+
+    assert chunks(sim.step()) == [("a", 11, 1)]
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == expected_output(a.prompt_token_ids, 3)
+    assert not sim.sched.has_unfinished() and sim.kv.num_free_blocks == 32
+    assert all(o.num_tokens <= 8 for o in sim.outputs)
+    assert a.bill.prefilled_tokens == 10 and a.bill.cached_tokens == 0 and a.bill.recomputed_tokens == 0
+
+
+def test_running_decodes_go_before_new_prefills():
+    sim = Sim(32, 4, max_num_batched_tokens=8)
+    a = sim.add("a", [5, 6, 7, 8], 5)
+    assert chunks(sim.step()) == [("a", 0, 4)]
+    b = sim.add("b", list(range(30, 50)), 1)
+    steps = [chunks(sim.step()) for _ in range(4)]
+    assert steps == [
+        [("a", 4, 1), ("b", 0, 7)],  # a's decode first, b's chunk takes what is left
+        [("a", 5, 1), ("b", 7, 7)],
+        [("a", 6, 1), ("b", 14, 6)],
+        [("a", 7, 1)],
+    ]
+    assert [o.num_decode_tokens for o in sim.outputs] == [0, 1, 1, 1, 1]
+    assert [o.num_prefill_tokens for o in sim.outputs] == [4, 7, 7, 6, 0]
+    assert a.clock.decode_steps == 4 and a.clock.interfered_steps == 3
+    assert b.clock.decode_steps == 0 and b.output_token_ids == expected_output(b.prompt_token_ids, 1)
+    assert b.clock.first_scheduled == 2.0 and b.clock.prefill_done == 4.5
+    assert not sim.sched.has_unfinished()
+
+
+def test_max_num_seqs_and_queue_time():
+    sim = Sim(32, 4, max_num_batched_tokens=64, max_num_seqs=2)
+    a, b, c = (sim.add(r, [r_i + 3, r_i + 4], 3) for r_i, r in enumerate("abc"))
+    assert chunks(sim.step()) == [("a", 0, 2), ("b", 0, 2)]
+    assert ids(sim.sched.waiting) == ["c"] and len(sim.sched.running) == 2
+    assert chunks(sim.step()) == [("a", 2, 1), ("b", 2, 1)]
+    assert chunks(sim.step()) == [("a", 3, 1), ("b", 3, 1)]
+    assert a.is_finished and b.is_finished and c.status == RequestStatus.WAITING
+    assert chunks(sim.step()) == [("c", 0, 2)]
+    assert c.clock.queue_time == 4.0 and a.clock.queue_time == 1.0
+    sim.run()
+    assert c.output_token_ids == expected_output(c.prompt_token_ids, 3)
+
+
+def test_unchunked_never_splits_a_prompt():
+    # As LLMEngine does when chunking is off, the budget covers a whole max_model_len prompt.
+    sim = Sim(64, 4, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    sim.add("a", list(range(3, 8)), 4)
+    sim.add("b", list(range(20, 32)), 2)
+    sim.add("c", list(range(40, 47)), 2)
+    assert chunks(sim.step()) == [("a", 0, 5)]  # b (12) does not fit in 11 and c may not pass it
+    assert chunks(sim.step()) == [("a", 5, 1), ("b", 0, 12)]  # c (7) does not fit in 3
+    assert chunks(sim.step()) == [("a", 6, 1), ("b", 12, 1), ("c", 0, 7)]
+    sim.run()
+    for out in sim.outputs:
+        for ch in out.chunks:
+            if not ch.is_decode:
+                assert ch.samples, f"prompt split: {ch}"
+
+    chunked = Sim(64, 4, max_num_batched_tokens=16)
+    chunked.add("a", list(range(3, 8)), 4)
+    chunked.add("b", list(range(20, 32)), 2)
+    assert chunks(chunked.step()) == [("a", 0, 5), ("b", 0, 11)]
+
+
+def _three_decoders(policy: str = "fcfs", priorities=(0, 0, 0)) -> Sim:
+    """a, b, c with 4-token prompts on a 6-block pool of 4 tokens (no prefix caching): each holds 2
+    blocks after their first decode; whoever crosses position 8 first forces a preemption."""
+    sim = Sim(6, 4, caching=False, max_num_batched_tokens=64, max_num_seqs=3, scheduling_policy=policy)
+    sim.add("a", [11, 12, 13, 14], 8, priorities[0])
+    sim.add("b", [21, 22, 23, 24], 10, priorities[1])
+    sim.add("c", [31, 32, 33, 34], 6, priorities[2])
+    sim.add("d", [41, 42], 2, 0)  # waits for a seat (max_num_seqs=3)
+    return sim
+
+
+def test_fcfs_preempts_latest_and_it_recomputes_first():
+    sim = _three_decoders()
+    a, b, c, d = (sim.reqs[r] for r in "abcd")
+    assert chunks(sim.step()) == [("a", 0, 4), ("b", 0, 4), ("c", 0, 4)]
+    for pos in range(4, 8):  # steps 2..5: one block each more, then decodes inside it
+        assert chunks(sim.step()) == [("a", pos, 1), ("b", pos, 1), ("c", pos, 1)]
+    assert sim.kv.num_free_blocks == 0
+
+    out = sim.step()  # step 6: a needs a third block; c (latest arrival) goes
+    assert chunks(out) == [("a", 8, 1), ("b", 8, 1)]
+    assert out.preempted == [c]
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0 and c.high_water == 8
+    assert c.num_preemptions == 1 and sim.sched.num_preemptions == 1
+    assert sim.kv.block_ids("c") == []
+    assert ids(sim.sched.waiting) == ["c", "d"]  # back in front of the later arrival
+    assert len(c.output_token_ids) == 5
+
+    # a and b decode; c cannot be readmitted (9 tokens need 3 blocks, none free) and d may not pass it.
+    assert chunks(sim.step()) == [("a", 9, 1), ("b", 9, 1)]
+    assert chunks(sim.step()) == [("a", 10, 1), ("b", 10, 1)]
+    assert a.is_finished and len(a.output_token_ids) == 8
+    out = sim.step()  # step 9: a's 3 blocks are back; c recomputes all 9 tokens in one chunk
+    assert chunks(out) == [("b", 11, 1), ("c", 0, 9)]  # d (1 block) does not fit beside them
+    assert [ch.is_decode for ch in out.chunks] == [True, False]
+    assert c.bill.recomputed_tokens == 8  # positions 0..7 had KV before; position 8 never had
+    sim.run()
+    for r in (a, b, c, d):
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+        assert r.bill.prompt_tokens == r.bill.cached_tokens + r.bill.prefilled_tokens
+    assert c.bill.recomputed_tokens == 8 and c.bill.prefilled_tokens == 4 and c.bill.output_tokens == 6
+    assert a.bill.recomputed_tokens == b.bill.recomputed_tokens == d.bill.recomputed_tokens == 0
+    assert c.clock.decode_steps == c.max_output_tokens - 1 - 1  # one decode token went in the recompute chunk
+    assert sim.computed["c"] == 8 + 9  # first life, then the recompute chunk that also sampled its last token
+    assert sim.kv.num_free_blocks == 6
+
+
+def test_priority_admits_lowest_value_first():
+    sim = Sim(32, 4, max_num_batched_tokens=64, max_num_seqs=1, scheduling_policy="priority")
+    for rid, prio in [("a", 5), ("b", 1), ("c", 3), ("d", 1)]:
+        sim.add(rid, [3, 4, 5], 2, prio)
+    assert ids(sim.sched.waiting) == ["b", "d", "c", "a"]
+    sim.run()
+    order = sorted(sim.reqs.values(), key=lambda r: r.clock.first_scheduled)
+    assert ids(order) == ["b", "d", "c", "a"]
+
+
+def test_priority_preempts_highest_value_not_latest():
+    # b (priority 9) arrives first and runs alone; then a (0) and c (5). fcfs would preempt c.
+    sim = Sim(6, 4, caching=False, max_num_batched_tokens=64, max_num_seqs=3, scheduling_policy="priority")
+    b = sim.add("b", [21, 22, 23, 24], 10, 9)
+    assert chunks(sim.step()) == [("b", 0, 4)]
+    a = sim.add("a", [11, 12, 13, 14], 8, 0)
+    c = sim.add("c", [31, 32, 33], 8, 5)
+    assert chunks(sim.step()) == [("b", 4, 1), ("a", 0, 4), ("c", 0, 3)]
+    preempted = []
+    for _ in range(10):
+        out = sim.step()
+        preempted += out.preempted
+        if preempted:
+            break
+    assert preempted == [b]
+    assert ids(sim.sched.waiting) == ["b"]
+    sim.run()
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert b.bill.recomputed_tokens > 0 and a.bill.recomputed_tokens == 0
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+
+    fcfs = Sim(6, 4, caching=False, max_num_batched_tokens=64, max_num_seqs=3)
+    fb = fcfs.add("b", [21, 22, 23, 24], 10, 9)
+    fcfs.step()
+    fcfs.add("a", [11, 12, 13, 14], 8, 0)
+    fc = fcfs.add("c", [31, 32, 33], 8, 5)
+    first = next(o.preempted for o in iter(fcfs.step, None) if o.preempted)
+    assert first == [fc] and fb.num_preemptions == 0
+
+
+def test_preempted_request_rehits_its_own_cached_blocks():
+    """With prefix caching a preempted request's full blocks stay cached (freed, not evicted), so
+    readmission starts at its cached prefix: here nothing at all is recomputed. The hits sit in the
+    free queue when touched; they must leave it, or the "new" block handed out is one of the hits."""
+    sim = Sim(5, 4, caching=True, max_num_batched_tokens=64)
+    a = sim.add("a", [11, 12, 13, 14], 6)
+    c = sim.add("c", [31, 32, 33, 34], 8)
+    for _ in range(5):
+        sim.step()
+    assert sim.kv.block_ids("a") == [0, 2] and sim.kv.block_ids("c") == [1, 3]
+    out = sim.step()  # step 6: a takes the last free block; c cannot grow and preempts itself
+    assert chunks(out) == [("a", 8, 1)] and out.preempted == [c]
+    assert a.is_finished
+    assert sim.kv.pool.free_block_ids == [3, 1, 4, 2, 0]  # c's blocks first (tail first), still cached
+    out = sim.step()  # step 7: c's two full blocks are hits; only the never-computed position 8 runs
+    assert chunks(out) == [("c", 8, 1)] and out.chunks[0].is_decode
+    assert sim.kv.block_ids("c") == [1, 3, 4]
+    assert c.bill.recomputed_tokens == 0 and c.bill.cached_tokens == 0 and c.num_preemptions == 1
+    sim.run()
+    assert c.output_token_ids == expected_output(c.prompt_token_ids, 8)
+    assert c.clock.decode_steps == 7
+    assert sim.kv.num_free_blocks == 5
+
+
+def test_abort_returns_blocks_at_once():
+    sim = Sim(8, 4, max_num_batched_tokens=64)
+    a = sim.add("a", list(range(3, 13)), 5)
+    sim.step()
+    b = sim.add("b", list(range(3, 9)), 5)
+    assert chunks(sim.step()) == [("a", 10, 1), ("b", 4, 2)]  # b's first block is a hit on a's
+    assert sim.kv.block_ids("b")[0] == sim.kv.block_ids("a")[0] and sim.kv.num_free_blocks == 4
+    assert b.bill.cached_tokens == 4 and b.bill.prefilled_tokens == 2
+    sim.sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.clock.finished == sim.t
+    assert sim.kv.block_ids("a") == [] and ids(sim.sched.running) == ["b"] and sim.kv.num_free_blocks == 6
+    sim.run()
+    assert b.status == RequestStatus.FINISHED_LENGTH and sim.kv.num_free_blocks == 8
+
+
+# --- random operations -------------------------------------------------------
+
+TOKENS = st.integers(3, 6)  # a small alphabet, so prefixes collide and blocks get shared
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random adds (prefix-sharing prompts, priorities), aborts and steps on tiny pools; every
+    invariant checked after every rule, and at the end everything finishes and every block is free."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(3, 14),
+        budget=st.integers(1, 24),
+        max_num_seqs=st.integers(1, 5),
+        chunked=st.booleans(),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        caching=st.booleans(),
+        bases=st.lists(st.lists(TOKENS, min_size=24, max_size=24), min_size=2, max_size=2),
+    )
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases):
+        max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
+        if not chunked:
+            budget = max(budget, max_len)  # as LLMEngine does
+        self.sim = Sim(num_blocks, block_size, caching, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                       max_model_len=max_len, enable_chunked_prefill=chunked, scheduling_policy=policy)
+        self.max_len = max_len
+        self.bases = bases
+        self.n = 0
+        self.aborted: set[str] = set()
+        self.preempted_seen: set[str] = set()
+
+    @rule(base=st.integers(0, 1), prefix=st.integers(0, 24), suffix=st.lists(TOKENS, max_size=5),
+          max_tokens=st.integers(1, 12), priority=st.integers(0, 3))
+    def add(self, base, prefix, suffix, max_tokens, priority):
+        prompt = (self.bases[base][:prefix] + suffix)[: self.max_len - 1]
+        if not prompt:
+            return
+        max_out = min(max_tokens, self.max_len - len(prompt))  # LLMEngine.add_request's clipping
+        self.sim.add(f"r{self.n}", prompt, max_out, priority)
+        self.n += 1
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = sorted(self.sim.sched.requests)
+        if not live:
+            return
+        rid = data.draw(st.sampled_from(live))
+        req = self.sim.sched.requests[rid]
+        self.sim.sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self.aborted.add(rid)
+        assert self.sim.kv.block_ids(rid) == []
+
+    @rule()
+    def step(self):
+        self._step()
+
+    def _step(self):
+        sched = self.sim.sched
+        had_work = sched.has_unfinished()
+        running_before = list(sched.running)
+        out = self.sim.step()
+        self.preempted_seen |= {r.request_id for r in out.preempted}
+        cfg = self.sim.cfg
+        assert out.num_tokens <= cfg.max_num_batched_tokens
+        assert len(sched.running) <= cfg.max_num_seqs
+        assert all(c.num_tokens >= 1 for c in out.chunks)
+        assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+        if had_work:
+            assert out.chunks, "a step with unfinished requests scheduled nothing"
+        # running requests first, then new admissions (none in a step that preempted)
+        kinds = [c.request in running_before for c in out.chunks]
+        assert kinds == sorted(kinds, reverse=True)
+        if out.preempted:
+            assert all(kinds)
+        if not cfg.enable_chunked_prefill:
+            for c in out.chunks:
+                assert c.samples, f"unchunked mode split {c}"
+        for r in out.preempted:
+            assert r not in [c.request for c in out.chunks]
+
+    @invariant()
+    def blocks_are_accounted(self):
+        if not hasattr(self, "sim"):
+            return
+        kv, sched = self.sim.kv, self.sim.sched
+        pool = kv.pool
+        refs = Counter(b for rid in sched.requests for b in kv.block_ids(rid))
+        assert set(kv._tables) <= set(sched.requests), "a finished request still holds blocks"
+        assert [b.ref_cnt for b in pool.blocks] == [refs[i] for i in range(kv.num_blocks)]
+        free = pool.free_block_ids
+        assert len(free) == len(set(free))
+        assert not any(pool.blocks[i].ref_cnt for i in free), "a referenced block is in the free queue"
+        assert kv.num_free_blocks + len(refs) == kv.num_blocks, "leaked block"
+
+    @invariant()
+    def requests_are_consistent(self):
+        if not hasattr(self, "sim"):
+            return
+        sched, kv, bs = self.sim.sched, self.sim.kv, self.sim.bs
+        assert set(sched.requests) == {r.request_id for r in sched.waiting + sched.running}
+        assert len(sched.running) <= self.sim.cfg.max_num_seqs
+        keys = [sched._order(r) for r in sched.waiting]
+        assert keys == sorted(keys)
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0 and kv.block_ids(r.request_id) == []
+        for r in sched.running:
+            assert r.status == RequestStatus.RUNNING
+            assert 0 <= r.num_computed_tokens <= r.num_tokens
+            table = kv.block_ids(r.request_id)
+            assert len(table) == len(set(table))
+            assert len(table) * bs >= r.num_computed_tokens
+            # every computed position reads back the KV of this request's own prefix
+            for p in range(r.num_computed_tokens):
+                assert self.sim.slots[table[p // bs]][p % bs] == tuple(r.all_token_ids[: p + 1]), (r, p)
+            parent = None
+            for i, block_id in enumerate(table[: r.num_computed_tokens // bs]):
+                parent = hash_block_tokens(parent, r.all_token_ids[i * bs : (i + 1) * bs])
+                assert kv.pool.blocks[block_id].block_hash in (parent, None)
+        for r in self.sim.reqs.values():
+            # each prompt position is billed once, cached or prefilled; the split is complete with the prefill
+            assert r.bill.cached_tokens + r.bill.prefilled_tokens <= r.bill.prompt_tokens
+            if r.clock.prefill_done is not None:
+                assert r.bill.prompt_tokens == r.bill.cached_tokens + r.bill.prefilled_tokens
+            assert len(r.output_token_ids) <= r.max_output_tokens
+            if r.bill.recomputed_tokens:
+                assert r.num_preemptions > 0
+
+    def teardown(self):
+        if not hasattr(self, "sim"):
+            return
+        sim = self.sim
+        bound = 50 * sum(r.num_prompt_tokens + r.max_output_tokens for r in sim.reqs.values()) + 20
+        for _ in range(bound):
+            if not sim.sched.has_unfinished():
+                break
+            self._step()
+            self.blocks_are_accounted()
+            self.requests_are_consistent()
+        assert not sim.sched.has_unfinished(), f"livelock: {sim.sched.running} {sim.sched.waiting}"
+        assert sim.kv.num_free_blocks == sim.kv.num_blocks
+        assert all(b.ref_cnt == 0 for b in sim.kv.pool.blocks)
+        for rid, r in sim.reqs.items():
+            assert r.is_finished
+            if rid in self.aborted:
+                continue
+            assert r.status == RequestStatus.FINISHED_LENGTH
+            assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+            assert r.bill.output_tokens == r.max_output_tokens
+            assert r.clock.first_scheduled <= r.clock.prefill_done <= r.clock.first_token <= r.clock.finished
+            assert r.clock.decode_steps >= r.max_output_tokens - 1 - r.num_preemptions
+            if r.num_preemptions == 0:
+                assert r.bill.recomputed_tokens == 0
+                assert sim.computed[rid] == r.bill.prefilled_tokens + r.bill.output_tokens - 1
+                assert r.clock.decode_steps == r.max_output_tokens - 1
+            else:
+                # every computation is billed exactly once: first prefill, recompute, or decode
+                billed = r.bill.prefilled_tokens + r.bill.recomputed_tokens + r.bill.output_tokens - 1
+                assert sim.computed[rid] == billed
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                               report_multiple_bugs=False)
+TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def test_random_workload_many_preemptions():
+    """A fixed random workload on a 10-block pool: many preemptions, all finish, nothing leaks."""
+    import random
+
+    rng = random.Random(0)
+    sim = Sim(10, 2, max_num_batched_tokens=6, max_num_seqs=4)
+    shared = [rng.randrange(3, 7) for _ in range(8)]
+    for i in range(12):
+        prompt = shared[: rng.randrange(0, 9)] + [rng.randrange(3, 7) for _ in range(rng.randrange(1, 5))]
+        sim.add(f"r{i}", prompt, rng.randrange(1, 20 - len(prompt)))
+    sim.run(2000)
+    assert sim.sched.num_preemptions > 0
+    assert sim.kv.num_free_blocks == 10
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+        assert (r.bill.recomputed_tokens > 0) <= (r.num_preemptions > 0)
