@@ -113,12 +113,51 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- serve ---------------------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ServerConfig (twospeed/server/app.py); defaults live there, not here."""
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
+    parser.add_argument("--port", type=int, help="port (default 8000; 0 = any free port, the printed URL says which)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--metrics-public", action="store_true", default=None,
+                        help="with --api-key: leave /metrics and /health open")
+    parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
+    parser.add_argument("--max-waiting", type=int,
+                        help="sequences admitted but not yet scheduled (default 256); beyond it: 429 + Retry-After")
+    parser.add_argument("--shutdown-grace", type=float,
+                        help="seconds in-flight requests may take to finish after SIGTERM (default 30)")
+    parser.add_argument("--slo", action="append", metavar="LANE:METRIC=DURATION[,...]",
+                        help="a lane's SLO, e.g. drafting:ttft_p99=500ms,itl_p99=60ms (repeatable)")
+    parser.add_argument("--slo-file", help="YAML: {lanes: {LANE: {METRIC: DURATION}}}")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from twospeed.server.app import ServerConfig, run_server
+
+    names = [f.name for f in dataclasses.fields(ServerConfig)]
+    try:
+        engine_config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+        server_config = ServerConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+        server_config.lanes()  # a bad --slo fails here, with its message
+        from twospeed.engine.engine import resolve_model_path
+        resolve_model_path(args.model)  # a wrong --model too, before uvicorn starts
+    except (ValueError, TypeError, OSError) as e:
+        print(f"twospeed serve: {e}", file=sys.stderr)
+        return 2
+    return run_server(engine_config, server_config, log_level=args.log_level)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twospeed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="generate a small mixed batch and print the split clock and bill")
     add_engine_args(demo)
     demo.set_defaults(func=run_demo)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with the split clock, /metrics and lane SLOs")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=run_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,632 @@
+"""The HTTP server, end to end: a real `twospeed serve` process on a free loopback port, driven by the
+official openai client and by raw httpx; outputs compared with LLM.generate on the same demo model;
+/metrics parsed with prometheus_client; schemathesis over the server's own OpenAPI document; a
+bounded soak. All traffic goes to 127.0.0.1; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import queue
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from twospeed import LLM, SamplingParams
+
+# Engine options shared by the server and the in-process reference, so both run the same model.
+ENGINE = dict(num_gpu_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256)
+SLOS = ["drafting:ttft_p99=30s,itl_p99=10s", "strict:ttft=1us"]
+
+
+# -- the server process ---------------------------------------------------------------------------
+class ServerProcess:
+    """`twospeed serve` in a subprocess; its output is drained by a thread (kept for failure messages)."""
+
+    def __init__(self, *args: str, ready_timeout: float = 120.0):
+        from twospeed.model.demo import demo_checkpoint_path
+
+        demo_checkpoint_path()  # build the demo checkpoint here once, never by two processes at a time
+        flags = []
+        for key, value in ENGINE.items():
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+        cmd = [sys.executable, "-m", "twospeed.cli", "serve", "--model", "demo", "--port", "0", "--log-level",
+               "warning", *flags, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        ready: queue.Queue = queue.Queue()
+        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+        try:
+            self.url = ready.get(timeout=ready_timeout)
+        except queue.Empty:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines)) from None
+        if self.url is None:
+            raise RuntimeError("server exited:\n" + "".join(self.lines))
+        self.base = self.url.removesuffix("/v1")
+
+    def _drain(self, ready: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := re.search(r"serving .* at (http://\S+/v1)", line):
+                ready.put(m.group(1))
+        ready.put(None)
+
+    def stop(self, sig=None, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig) if sig else self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+
+def parse_metrics(text: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} from the Prometheus text format, by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(metrics: dict, name: str, **labels) -> float:
+    """The sum of a sample over every label set that matches `labels`."""
+    return sum(v for (n, ls), v in metrics.items()
+               if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
+
+
+def scrape(base: str) -> dict:
+    r = httpx.get(f"{base}/metrics", timeout=10)
+    assert r.status_code == 200
+    return parse_metrics(r.text)
+
+
+def wait_idle(base: str, timeout: float = 30.0) -> dict:
+    """Poll /metrics until nothing runs or waits and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(base)
+        busy = (metric_sum(m, "twospeed:num_requests_running") + metric_sum(m, "twospeed:num_requests_waiting"),
+                metric_sum(m, "twospeed:kv_cache_usage_ratio"))
+        if busy == (0, 0):
+            return m
+        assert time.monotonic() < deadline, f"server not idle after {timeout}s: running+waiting, kv usage = {busy}"
+        time.sleep(0.1)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(*[a for s in SLOS for a in ("--slo", s)], "--max-waiting", "2000")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.lines[-50:])
+    # The server logs a traceback for any unexpected error: there must be none.
+    assert not any("Traceback" in line for line in srv.lines), "".join(srv.lines[-80:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("demo", **ENGINE)
+
+
+# -- OpenAI API, checked against LLM.generate -----------------------------------------------------
+PROMPTS = ["The quick brown fox", "Explain the prefill phase of a transformer"]
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=1234)],
+                         ids=["greedy", "seeded"])
+def test_completions_match_llm_generate(client, reference, sampling):
+    params = SamplingParams(max_tokens=12, **sampling)
+    expected = reference.generate(PROMPTS, params)
+    for prompt, ref in zip(PROMPTS, expected, strict=True):
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=12,
+                                      extra_body={"return_token_ids": True}, **sampling)
+        choice = r.choices[0]
+        assert choice.token_ids == ref.token_ids
+        assert choice.text == ref.text
+        assert choice.finish_reason == ref.finish_reason
+        stream = client.completions.create(model="demo", prompt=prompt, max_tokens=12, stream=True,
+                                           extra_body={"return_token_ids": True}, **sampling)
+        ids, text = [], ""
+        for chunk in stream:
+            ids += chunk.choices[0].token_ids
+            text += chunk.choices[0].text
+        assert ids == ref.token_ids
+        assert text == ref.text
+
+
+def test_chat_matches_llm_generate(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What sets TTFT?"}]
+    tok = reference.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=7)):
+        [ref] = reference.generate([prompt_ids], SamplingParams(max_tokens=10, **sampling))
+        r = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=10,
+                                           extra_body={"return_token_ids": True}, **sampling)
+        assert r.choices[0].token_ids == ref.token_ids
+        assert r.choices[0].message.content == ref.text
+        assert r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(prompt_ids)
+        stream = client.chat.completions.create(model="demo", messages=messages, max_tokens=10, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"return_token_ids": True}, **sampling)
+        chunks = list(stream)
+        ids = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
+        assert ids == ref.token_ids
+        assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ref.text
+        assert chunks[0].choices[0].delta.role == "assistant"
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and usage.completion_tokens == len(ref.token_ids)
+        assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_usage_cached_tokens_and_twospeed_object(server):
+    prompt = "latency throughput prefill decode token cache block schedule " * 8  # several full KV blocks
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+    second = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+    assert first.status_code == second.status_code == 200
+    u1, u2 = first.json()["usage"], second.json()["usage"]
+    assert u1["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = u2["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % ENGINE["block_size"] == 0 and cached < u2["prompt_tokens"]
+    ts = second.json()["twospeed"]
+    assert ts["bill"] == {"prompt_tokens": u2["prompt_tokens"], "cached_tokens": cached,
+                          "prefilled_tokens": u2["prompt_tokens"] - cached, "output_tokens": 4, "recomputed_tokens": 0}
+    clock = ts["clock"]
+    for key in ("queue_ms", "prefill_ms", "ttft_ms", "tpot_ms", "ttlt_ms"):
+        assert clock[key] >= 0
+    assert set(clock["itl_ms"]) == {"p50", "p99", "max"}
+    assert clock["ttft_ms"] >= clock["queue_ms"] + clock["prefill_ms"] - 1e-3
+    assert clock["ttlt_ms"] >= clock["ttft_ms"]
+    timing = dict(re.findall(r"(\w+);dur=([\d.]+)", second.headers["server-timing"]))
+    assert set(timing) == {"queue", "prefill", "decode"}
+    assert math.isclose(float(timing["queue"]), clock["queue_ms"], abs_tol=1e-3)
+    assert math.isclose(float(timing["decode"]), clock["ttlt_ms"] - clock["ttft_ms"], abs_tol=2e-3)
+
+
+def test_stream_chunks_carry_token_counts_and_emit_times(server):
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "stop": ["zzzz-never"]}
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    times = []
+    for c in events[:-1]:  # every data chunk says how many tokens it holds and when each was emitted
+        assert c["twospeed"]["num_tokens"] == len(c["twospeed"]["emit_times"])
+    for c in chunks:
+        ts = c["twospeed"]
+        assert ts["num_tokens"] == len(c["choices"][0]["token_ids"]) == len(ts["emit_times"])
+        times += ts["emit_times"]
+    assert len(times) == 8 and times == sorted(times)
+    assert abs(times[0] - time.time()) < 60  # Unix seconds
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["twospeed"]["bill"]["output_tokens"] == 8 and "clock" in final["twospeed"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 8
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert usage_chunk["twospeed"]["bill"]["output_tokens"] == 8
+    # Without include_usage the last data chunk before [DONE] still carries the clock and the bill.
+    body.pop("stream_options")
+    with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and "bill" in events[-2]["twospeed"] and "usage" not in events[-2]
+
+
+def test_n_logprobs_and_seed(client, reference):
+    r = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=6, n=3, temperature=1.0,
+                                  seed=42, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    again = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=6, n=3, temperature=1.0,
+                                      seed=42)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
+    ts = r.model_extra["twospeed"]
+    assert ts["bill"]["output_tokens"] == 18 and len(ts["choices"]) == 3
+    assert r.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens == len(reference.tokenizer.encode("Once upon a time"))
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    assert content[0].bytes == list(content[0].token.encode())
+    # Streamed chat logprobs and several choices.
+    chunks = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, n=2, logprobs=True, top_logprobs=1, stream=True))
+    per_choice = {0: 0, 1: 0}
+    for c in chunks:
+        for ch in c.choices:
+            if ch.logprobs:
+                per_choice[ch.index] += len(ch.logprobs.content)
+    assert per_choice == {0: 3, 1: 3}
+
+
+def test_stop_strings(client, reference):
+    [ref] = reference.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0.8, seed=5))
+    stop = ref.text[len(ref.text) // 2:][:3]
+    assert stop and stop in ref.text
+    r = client.completions.create(model="demo", prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=5,
+                                  stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == ref.text[:ref.text.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_prompt_as_token_ids_and_batch(client, reference):
+    ids = reference.tokenizer.encode("The quick brown fox")
+    [ref] = reference.generate([ids], SamplingParams(max_tokens=5, temperature=0))
+    r = client.completions.create(model="demo", prompt=[ids, ids], max_tokens=5, temperature=0, n=2,
+                                  extra_body={"return_token_ids": True})
+    assert len(r.choices) == 4 and all(c.token_ids == ref.token_ids for c in r.choices)
+    assert r.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_echo(client):
+    r = client.completions.create(model="demo", prompt="Echo me", max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("Echo me")
+
+
+# -- bad input: OpenAI-style 400s, and the server keeps serving -----------------------------------
+BAD = [
+    ("completions", b"{not json", None),
+    ("completions", b"[1, 2]", None),
+    ("completions", b"", None),
+    ("completions", {"model": "no-such-model", "prompt": "hi"}, "model"),
+    ("completions", {"model": "demo"}, "prompt"),
+    ("chat/completions", {"model": "demo"}, "messages"),
+    ("chat/completions", {"model": "demo", "messages": []}, "messages"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("chat/completions", {"model": "demo", "messages": "hello"}, "messages"),
+    ("completions", {"model": "demo", "prompt": 5}, "prompt"),
+    ("completions", {"model": "demo", "prompt": ""}, "prompt"),
+    ("completions", {"model": "demo", "prompt": []}, "prompt"),
+    ("completions", {"model": "demo", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"model": "demo", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"model": "demo", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("completions", {"model": "demo", "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("completions", b'{"model": "demo", "prompt": "hi", "temperature": NaN}', "temperature"),
+    ("completions", b'{"model": "demo", "prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("completions", {"model": "demo", "prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"model": "demo", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("completions", {"model": "demo", "prompt": "hi", "n": 0}, "n"),
+    ("completions", {"model": "demo", "prompt": "hi", "n": 1000}, "n"),
+    ("completions", {"model": "demo", "prompt": "hi", "logprobs": 99}, "logprobs"),
+    ("completions", {"model": "demo", "prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"model": "demo", "prompt": "hi", "stop": [""]}, "stop"),
+    ("completions", {"model": "demo", "prompt": "hi", "stop": 3}, "stop"),
+    ("completions", {"model": "demo", "prompt": "hi", "min_tokens": 9, "max_tokens": 2}, None),
+    ("completions", {"model": "demo", "prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"model": "demo", "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"model": "demo", "prompt": "hi", "best_of": 3}, "best_of"),
+    ("completions", {"model": "demo", "prompt": "hi", "suffix": "tail"}, "suffix"),
+    ("completions", {"model": "demo", "prompt": [5, 10**9]}, "prompt"),
+    ("completions", {"model": "demo", "prompt": [-1]}, "prompt"),
+    ("completions", {"model": "demo", "prompt": "hi", "lane": "no spaces allowed"}, "lane"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"model": "demo", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": None}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{i}-{p or 'body'}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_input_gets_openai_400(server, path, body, param):
+    if isinstance(body, bytes):
+        kwargs = {"content": body, "headers": {"content-type": "application/json"}}
+    else:
+        kwargs = {"json": body}
+    r = httpx.post(f"{server.url}/{path}", timeout=30, **kwargs)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+def test_prompt_too_long_names_both_numbers(server, reference):
+    prompt = "cache " * 400
+    n = len(reference.tokenizer.encode(prompt))
+    r = httpx.post(f"{server.url}/completions", json={"model": "demo", "prompt": prompt}, timeout=30)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert str(n) in message and str(ENGINE["max_model_len"]) in message
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_unknown_route_and_method(server):
+    assert httpx.get(f"{server.url}/nothing").status_code == 404
+    r = httpx.get(f"{server.url}/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# -- lanes and SLOs -------------------------------------------------------------------------------
+def test_lanes_and_slo_verdicts(server):
+    def post(lane_body=None, lane_header=None):
+        body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 3}
+        if lane_body:
+            body["lane"] = lane_body
+        headers = {"x-twospeed-lane": lane_header} if lane_header else {}
+        r = httpx.post(f"{server.url}/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["twospeed"]
+
+    assert post()["lane"] == "default"
+    drafting = post(lane_header="drafting")
+    assert drafting["lane"] == "drafting" and drafting["slo"]["met"] is True
+    strict = post(lane_body="strict", lane_header="drafting")  # the body wins over the header
+    assert strict["lane"] == "strict"
+    assert strict["slo"]["met"] is False and strict["slo"]["missed"] == ["ttft"]
+    assert strict["slo"]["cause"] in ("queue", "prefill")
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+METRIC_NAMES = {  # the names the issue lists, and nothing else
+    "twospeed:time_to_first_token_seconds": "histogram", "twospeed:inter_token_latency_seconds": "histogram",
+    "twospeed:request_queue_time_seconds": "histogram", "twospeed:request_prefill_time_seconds": "histogram",
+    "twospeed:request_decode_time_seconds": "histogram", "twospeed:e2e_request_latency_seconds": "histogram",
+    "twospeed:step_tokens": "histogram", "twospeed:prompt_tokens_total": "counter",
+    "twospeed:generation_tokens_total": "counter", "twospeed:prefix_cache_queries_total": "counter",
+    "twospeed:prefix_cache_hits_total": "counter", "twospeed:num_preemptions_total": "counter",
+    "twospeed:slo_requests_total": "counter", "twospeed:num_requests_running": "gauge",
+    "twospeed:num_requests_waiting": "gauge", "twospeed:kv_cache_usage_ratio": "gauge",
+    "twospeed:kv_cache_cached_blocks": "gauge"}
+
+
+def test_metric_names_types_and_labels(server):
+    text = httpx.get(f"{server.base}/metrics").text
+    assert dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)) == METRIC_NAMES
+    samples = [line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")]
+    suffixes = ("_bucket", "_count", "_sum")
+    assert all(s in METRIC_NAMES or s.endswith(suffixes) and s.rsplit("_", 1)[0] in METRIC_NAMES for s in samples)
+    m = parse_metrics(text)
+    assert all(dict(ls).get("model") == "demo" for _, ls in m)
+    assert {dict(ls)["kind"] for n, ls in m if n == "twospeed:step_tokens_count"} <= {"prefill", "decode"}
+    assert all("lane" in dict(ls) for n, ls in m if n.startswith("twospeed:time_to_first_token"))
+
+
+def test_metrics_match_the_responses(server):
+    before = wait_idle(server.base)
+    bills, served, gaps = [], 0, 0
+    for i in range(4):
+        for lane in ("default", "strict"):
+            r = httpx.post(f"{server.url}/completions", timeout=30, json={
+                "model": "demo", "prompt": "latency throughput prefill decode " * (i + 1), "max_tokens": 3 + i,
+                "temperature": 0, "lane": lane})
+            assert r.status_code == 200
+            bills.append(r.json()["twospeed"]["bill"])
+            served += 1
+            gaps += r.json()["usage"]["completion_tokens"] - 1
+    after = wait_idle(server.base)
+
+    def delta(name, **labels):
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    for name in ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"twospeed:{name}_count") == served, name
+        assert delta(f"twospeed:{name}_bucket", le="+Inf") == served, name
+    assert delta("twospeed:inter_token_latency_seconds_count") == gaps
+    cached, prefilled = (delta("twospeed:prompt_tokens_total", kind=k) for k in ("cached", "prefilled"))
+    assert cached + prefilled == sum(b["prompt_tokens"] for b in bills)
+    assert cached == sum(b["cached_tokens"] for b in bills) and cached > 0  # lanes share the prompts' prefixes
+    assert delta("twospeed:prefix_cache_queries_total") == sum(b["prompt_tokens"] for b in bills)
+    assert delta("twospeed:prefix_cache_hits_total") == cached
+    assert delta("twospeed:generation_tokens_total") == sum(b["output_tokens"] for b in bills)
+    assert delta("twospeed:slo_requests_total", lane="strict", result="missed") == 4
+    assert delta("twospeed:slo_requests_total", lane="default", result="met") == 4
+    assert delta("twospeed:step_tokens_count", kind="decode") > 0
+    assert delta("twospeed:step_tokens_count", kind="prefill") > 0
+    assert metric_sum(after, "twospeed:kv_cache_cached_blocks") > 0
+    assert all(dict(ls).get("model") == "demo" for n, ls in after if n.startswith("twospeed:"))
+
+
+# -- disconnects return KV blocks ----------------------------------------------------------------
+def test_disconnected_clients_are_aborted_and_free_their_blocks(server):
+    before = wait_idle(server.base)
+    body = {"model": "demo", "prompt": "a long answer please", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0}
+
+    async def stream_and_leave(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", f"{server.url}/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # got a first chunk: hang up
+
+    async def post_and_leave(client: httpx.AsyncClient) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{server.url}/completions", json=body, timeout=0.5)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(*[stream_and_leave(client) for _ in range(12)],
+                                 *[post_and_leave(client) for _ in range(4)])
+
+    asyncio.run(main())
+    after = wait_idle(server.base, timeout=20)
+    generated = (metric_sum(after, "twospeed:generation_tokens_total")
+                 - metric_sum(before, "twospeed:generation_tokens_total"))
+    assert generated < 16 * 200 / 2, "aborted requests kept generating"
+    # Histograms count only what was served: the aborted requests add nothing.
+    assert (metric_sum(after, "twospeed:e2e_request_latency_seconds_count")
+            == metric_sum(before, "twospeed:e2e_request_latency_seconds_count"))
+
+
+# -- schemathesis over the server's own OpenAPI document ----------------------------------------------
+def shorten(body, positive: bool) -> None:
+    """Keep generated requests cheap (this checks validation, not the model): few tokens, few choices."""
+    if not isinstance(body, dict):
+        return
+    if positive and "model" in body:
+        body["model"] = "demo"
+    for key in ("max_tokens", "max_completion_tokens"):
+        if body.get(key) is None or isinstance(body[key], int) and body[key] > 4:
+            body[key] = 4
+    if isinstance(body.get("n"), int) and body["n"] > 2:
+        body["n"] = 2
+
+
+def fuzz(server, operation, mode, failures: list, max_examples: int = 30) -> None:
+    """Send schemathesis-generated requests for one operation; record transport failures and 5xx answers."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        shorten(case.body, mode == GenerationMode.POSITIVE)
+        try:
+            response = case.call(base_url=server.base, timeout=60)
+        except Exception as e:  # the transport failed: the server hung up or timed out
+            failures.append((operation.label, case.body, type(e).__name__, str(e)[:300]))
+            return
+        if response.status_code >= 500:
+            failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+
+    try:
+        run()
+    except Unsatisfiable:  # no way to make a negative case for an operation without inputs
+        assert mode == GenerationMode.NEGATIVE
+
+
+def test_schemathesis_finds_no_server_error(server):
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{server.base}/openapi.json")
+    failures = []
+    labels = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        labels.append(operation.label)
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            fuzz(server, operation, mode, failures)
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models"} <= set(labels)
+    assert not failures, failures[:3]
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    wait_idle(server.base)
+
+
+# -- soak --------------------------------------------------------------------------------------------
+def test_soak_mixed_traffic(server):
+    """Concurrent clients; valid, invalid and disconnecting requests; streaming and not. Every valid request
+    is answered, nothing gets a 5xx, and no KV block is left in use."""
+    rng = random.Random(0)
+    words = "latency throughput prefill decode token cache block schedule request stream batch".split()
+    results = {"ok": 0, "bad": 0, "left": 0}
+    problems = []
+
+    def make(i: int) -> tuple[str, str, dict]:
+        kind = rng.choices(["completion", "chat", "invalid", "leave"], weights=[5, 4, 2, 2])[0]
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))
+        common = {"model": "demo", "max_tokens": rng.randint(1, 6), "temperature": rng.choice([0, 0.7]),
+                  "stream": rng.random() < 0.5, "lane": rng.choice(["default", "drafting", "strict"])}
+        if kind == "completion":
+            return kind, "completions", {**common, "prompt": text}
+        if kind == "chat":
+            return kind, "chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+        if kind == "leave":
+            return kind, "completions", {**common, "prompt": text, "max_tokens": 150, "ignore_eos": True,
+                                         "stream": True}
+        bad = rng.choice([{"prompt": text, "max_tokens": 0}, {"prompt": text, "top_p": 7}, {"messages": []},
+                          {"prompt": [10**9]}, {"prompt": text, "temperature": -1}, {"prompt": text * 40}])
+        return kind, rng.choice(["completions", "chat/completions"]) if "messages" in bad else "completions", {
+            **{k: v for k, v in common.items() if k != "stream"}, **bad}
+
+    jobs = [make(i) for i in range(300)]
+
+    async def run(client: httpx.AsyncClient, kind: str, path: str, body: dict) -> None:
+        url = f"{server.url}/{path}"
+        if kind == "leave":
+            async with client.stream("POST", url, json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+            results["left"] += 1
+            return
+        if body.get("stream"):
+            async with client.stream("POST", url, json=body) as r:
+                status = r.status_code
+                events = sse_events([line async for line in r.aiter_lines()]) if status == 200 else None
+                if status == 200 and (events[-1] != "[DONE]" or not any(
+                        c["choices"] and c["choices"][0]["finish_reason"] for c in events[:-1])):
+                    problems.append((kind, body, "incomplete stream"))
+        else:
+            r = await client.post(url, json=body)
+            status = r.status_code
+            if status == 200 and not all(c["finish_reason"] in ("stop", "length") for c in r.json()["choices"]):
+                problems.append((kind, body, r.text[:200]))
+        expected = 400 if kind == "invalid" else 200
+        if status != expected:
+            problems.append((kind, body, status))
+        results["ok" if status == 200 else "bad"] += 1
+
+    async def main():
+        sem = asyncio.Semaphore(12)
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            async def guarded(job):
+                async with sem:
+                    await run(client, *job)
+            await asyncio.wait_for(asyncio.gather(*[guarded(j) for j in jobs]), timeout=180)
+
+    asyncio.run(main())
+    assert not problems, problems[:5]
+    assert sum(results.values()) == len(jobs)
+    wait_idle(server.base, timeout=30)
+    assert httpx.get(f"{server.base}/health").status_code == 200

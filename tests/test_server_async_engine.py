@@ -1,0 +1,102 @@
+"""AsyncEngine without HTTP: bad input never reaches the step loop, a failing step fails only what was in
+flight, aborts return every KV block, and the engine thread outlives all of it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from twospeed.config import EngineConfig
+from twospeed.engine.engine import LLMEngine
+from twospeed.engine.sampling_params import SamplingParams
+from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128))
+
+
+def group(*prompts, max_tokens=4, name="g") -> RequestGroup:
+    specs = [SequenceSpec(f"{name}-{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0), i)
+             for i, p in enumerate(prompts)]
+    return RequestGroup("default", 0, time.monotonic(), specs)
+
+
+async def finish(g: RequestGroup, timeout: float = 30.0) -> list:
+    items = []
+    while not g.done:
+        items.append(await asyncio.wait_for(g.next(), timeout))
+    return items
+
+
+def idle(engine: LLMEngine) -> bool:
+    return not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_async_engine_survives_bad_input_failures_and_aborts(engine):
+    finished = []
+
+    async def main():
+        ae = AsyncEngine(engine, on_finish=lambda lane, req, aborted: finished.append((req.request_id, aborted)))
+        ae.start()
+        try:
+            # Bad input: the whole group is refused, nothing stays in the engine.
+            with pytest.raises(ValueError, match=r"\[0, 8192\)"):
+                await ae.add(group([5, 6, 7], [10**6], name="bad"))
+            await asyncio.sleep(0.05)
+            assert idle(engine) and ae.is_alive
+
+            # A normal request streams to completion.
+            ok = group([5, 6, 7], name="ok")
+            await ae.add(ok)
+            items = await finish(ok)
+            assert sum(len(i.output.new_token_ids) for i in items) == 4 and items[-1].output.finished
+            assert all(len(i.token_times) == len(i.output.new_token_ids) for i in items)
+
+            # A step that raises fails the sequences in flight and nothing else.
+            real_step = engine.step
+            calls = {"n": 0}
+
+            def flaky_step():
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("injected fault")
+                return real_step()
+
+            engine.step = flaky_step
+            try:
+                doomed = group([8, 9, 10], max_tokens=20, name="doomed")
+                await ae.add(doomed)
+                items = await finish(doomed)
+                assert items[-1].error is not None and "injected fault" in str(items[-1].error)
+            finally:
+                engine.step = real_step
+            assert ae.step_failures == 1 and ae.is_alive
+
+            # An abort mid-generation returns every block.
+            long = group([11, 12], max_tokens=100, name="long")
+            await ae.add(long)
+            first = await long.next()
+            assert first.output is not None
+            ae.abort(long)
+            items = await finish(long)
+            assert items[-1].output is None  # the abort marker
+            deadline = time.monotonic() + 5
+            while not idle(engine):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+
+            # And it still serves.
+            again = group([5, 6, 7], name="again")
+            await ae.add(again)
+            assert (await finish(again))[-1].output.finished
+        finally:
+            await ae.shutdown()
+        assert not ae.is_alive
+
+    asyncio.run(main())
+    assert ("ok-0", False) in finished and ("long-0", True) in finished and ("doomed-0", True) in finished
+    assert idle(engine)

@@ -1,0 +1,126 @@
+"""The split clock and bill as the API shows them, and OpenAI's usage and logprobs objects.
+
+Pure functions from engine objects (Clock, Bill, Logprob, the async engine's StreamItems) to JSON-ready
+dicts; times in milliseconds, rounded to the microsecond. Used by app.py for bodies, streamed chunks and
+the Server-Timing header.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from twospeed.engine.request import Clock, Logprob, percentile
+from twospeed.server.async_engine import StreamItem
+
+
+# -- the split clock and bill in responses ---------------------------------------------------------
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def clock_json(clock: Clock) -> dict:
+    s = clock.summary()
+    return {"queue_ms": _ms(s["queue_time"]), "prefill_ms": _ms(s["prefill_time"]), "ttft_ms": _ms(s["ttft"]),
+            "itl_ms": {"p50": _ms(s["itl_p50"]), "p99": _ms(s["itl_p99"]), "max": _ms(s["itl_max"])},
+            "tpot_ms": _ms(s["tpot"]), "ttlt_ms": _ms(s["ttlt"]), "decode_steps": clock.decode_steps,
+            "interfered_steps": clock.interfered_steps}
+
+
+def merged_clock_json(clocks: list[Clock]) -> dict:
+    """The clock of a request with several sequences (n > 1, or a batch of prompts): queue and ttft from the
+    first to start, prefill until the last prompt is done, ttlt until the last finishes, itl over all gaps,
+    tpot the mean of the sequences'."""
+    if len(clocks) == 1:
+        return clock_json(clocks[0])
+    arrival = min(c.arrival for c in clocks)
+    first = [c.first_scheduled for c in clocks if c.first_scheduled is not None]
+    done = [c.prefill_done for c in clocks if c.prefill_done is not None]
+    first_tok = [c.first_token for c in clocks if c.first_token is not None]
+    fin = [c.finished for c in clocks if c.finished is not None]
+    gaps = sorted(g for c in clocks for g in c.itl)
+    tpots = [c.tpot for c in clocks if c.tpot is not None]
+    return {"queue_ms": _ms(min(first) - arrival) if first else None,
+            "prefill_ms": _ms(max(done) - min(first)) if done and first and len(done) == len(clocks) else None,
+            "ttft_ms": _ms(min(first_tok) - arrival) if first_tok else None,
+            "itl_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99)),
+                       "max": _ms(gaps[-1]) if gaps else None},
+            "tpot_ms": _ms(sum(tpots) / len(tpots)) if tpots else None,
+            "ttlt_ms": _ms(max(fin) - arrival) if fin else None,
+            "decode_steps": sum(c.decode_steps for c in clocks),
+            "interfered_steps": sum(c.interfered_steps for c in clocks)}
+
+
+def server_timing(clocks: list[Clock]) -> str:
+    m = merged_clock_json(clocks)
+    decode = None if m["ttlt_ms"] is None or m["ttft_ms"] is None else round(m["ttlt_ms"] - m["ttft_ms"], 3)
+    parts = [(name, value) for name, value in (("queue", m["queue_ms"]), ("prefill", m["prefill_ms"]),
+                                               ("decode", decode)) if value is not None]
+    return ", ".join(f"{name};dur={value}" for name, value in parts)
+
+
+def sequence_twospeed(item: StreamItem) -> dict:
+    out = item.output
+    return {"clock": clock_json(out.clock), "bill": out.bill.as_dict(), "num_preemptions": out.num_preemptions,
+            "slo": item.verdict.as_dict() if item.verdict else None}
+
+
+def request_twospeed(lane: str, finals: list[StreamItem]) -> dict:
+    """The twospeed object of a whole response: merged clock, summed bill, and per choice when n > 1."""
+    bills = [f.output.bill.as_dict() for f in finals]
+    bill = {k: sum(b[k] for b in bills) for k in bills[0]}
+    verdicts = [f.verdict for f in finals if f.verdict is not None]
+    slo = None
+    if verdicts:
+        missed = [v for v in verdicts if not v.met]
+        slo = {"lane": lane, "met": not missed, "cause": missed[0].cause if missed else None,
+               "missed": sorted({m for v in missed for m in v.missed})}
+    body = {"lane": lane, "clock": merged_clock_json([f.output.clock for f in finals]), "bill": bill,
+            "num_preemptions": sum(f.output.num_preemptions for f in finals), "slo": slo}
+    if len(finals) > 1:
+        body["choices"] = [{"index": f.index, **sequence_twospeed(f)} for f in finals]
+    return body
+
+
+def usage_json(finals: list[StreamItem], prompt_lens: list[int], n: int) -> dict:
+    """OpenAI's usage: each prompt counted once (n samples share it); cached_tokens always present."""
+    cached = sum(f.output.bill.cached_tokens for f in finals if f.index % n == 0)
+    completion = sum(len(f.output.token_ids) for f in finals)
+    prompt = sum(prompt_lens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI uses -9999 for "impossible"
+
+
+def completion_logprobs(token_text: Callable[[int], str], lps: list[Logprob], offset: int) -> dict:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs (always with the sampled token)."""
+    tokens = [token_text(lp.token_id) for lp in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = []
+    for lp in lps:
+        d = {token_text(t): _finite(v) for t, v in lp.top.items()}
+        d.setdefault(token_text(lp.token_id), _finite(lp.logprob))
+        top.append(d)
+    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_text: Callable[[int], str], lps: list[Logprob], top_n: int) -> dict:
+    """OpenAI's chat logprobs: content[i] = {token, logprob, bytes, top_logprobs}."""
+
+    def entry(token_id: int, value: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _finite(value), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for lp in lps:
+        tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in tops]})
+    return {"content": content}
