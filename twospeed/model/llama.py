@@ -30,10 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # HF's order: normalise in float32, round to the model dtype, then scale (one fused kernel, not six ops)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -66,21 +64,20 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(cfg)[None, :]  # [P, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+        sin = emb.sin().to(dtype)
+        half = sin.shape[-1] // 2
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # HF's rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: the sign lives in the table
+        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, hd], looked up once per step and shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, signed sin: [T, 1, hd], looked up once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd] -> x * cos + rotate_half(x) * sin, exactly as HF computes it."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -97,13 +94,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * hd]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.q_norm is None:
+            # q and k heads side by side: one RoPE pass over [T, H + KVH, hd]
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
         o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, hd]
         return self.o_proj(o.reshape(t, self.q_size))
 
