@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import write_hf_checkpoint
 from twospeed import LLM, SamplingParams
+from twospeed.engine.runner import decode_groups
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +97,23 @@ def test_demo_text_matches_token_ids():
     for o in outs:
         assert o.text == llm.tokenizer.decode(o.token_ids)
         assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt)
+
+
+@given(st.lists(st.integers(1, 5000), max_size=40))
+def test_decode_groups_cover_in_order_and_bound_padding(lengths):
+    lengths = sorted(lengths)
+    groups = decode_groups(lengths)
+    assert [i for lo, hi in groups for i in range(lo, hi)] == list(range(len(lengths)))
+    for lo, hi in groups:
+        assert hi > lo
+        if hi - lo > 1:  # a group of one is never padded
+            assert lengths[hi - 1] * (hi - lo) <= 1.25 * sum(lengths[lo:hi])
+
+
+def test_mixed_context_lengths_decode_like_alone(llm):
+    """A 5-token and a 110-token stream decode in separate padded groups; each matches its solo run."""
+    prompts = [list(range(3, 8)), list(range(3, 113)), list(range(50, 56))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, together):
+        assert llm.generate([prompt], params)[0].token_ids == out.token_ids

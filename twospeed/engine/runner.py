@@ -14,7 +14,7 @@ import torch
 from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.scheduler import ScheduledChunk
-from twospeed.model.attention import AttentionMetadata, PrefillSpan, causal_mask, decode_mask
+from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask, decode_mask
 from twospeed.model.llama import LlamaForCausalLM
 
 GiB = 1 << 30
@@ -46,7 +46,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step. Returns logits [S, vocab] float32 and the S chunks they belong to, in that order."""
-        ordered = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
+        ordered = decodes + [c for c in chunks if c.num_tokens > 1]
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -66,11 +67,13 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                                  num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1))
         d = meta.num_decode_tokens
-        if d:
-            width = max(len(t) for t in tables[:d])
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:d]],
-                                                    dtype=torch.int64, device=dev)
-            meta.decode_mask = decode_mask([c.start + 1 for c in ordered[:d]], width * bs, self.sliding_window, dev)
+        for lo, hi in decode_groups([c.start + 1 for c in ordered[:d]]):
+            width = max(len(t) for t in tables[lo:hi])
+            meta.decodes.append(DecodeGroup(
+                start=lo, num_tokens=hi - lo,
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]],
+                                          dtype=torch.int64, device=dev),
+                mask=decode_mask([c.start + 1 for c in ordered[lo:hi]], width * bs, self.sliding_window, dev)))
         offset = d
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
@@ -83,3 +86,18 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
         return logits, [c for c in ordered if c.samples]
+
+
+def decode_groups(context_lens: list[int], max_padding: float = 1.25) -> list[tuple[int, int]]:
+    """Split decodes, sorted by context length, into [lo, hi) groups whose padded size (longest x count)
+    stays within max_padding x their real size: attention reads padding too, so a 64-token stream must
+    not be padded to a 4k-token neighbour, yet similar lengths share one batched call."""
+    groups, lo, total = [], 0, 0
+    for i, n in enumerate(context_lens):
+        if i > lo and n * (i - lo + 1) > max_padding * (total + n):
+            groups.append((lo, i))
+            lo, total = i, 0
+        total += n
+    if context_lens:
+        groups.append((lo, len(context_lens)))
+    return groups

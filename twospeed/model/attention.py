@@ -36,11 +36,20 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode tokens of similar context length, attended in one padded batch."""
+
+    start: int  # index of its first token in the flat batch
+    num_tokens: int
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
-    num_decode_tokens: int  # the first D tokens of the batch are decodes
-    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int64, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    num_decode_tokens: int  # the first D tokens of the batch are decodes, sorted by context length
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -83,17 +92,17 @@ class TorchPagedAttention:
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        d = meta.num_decode_tokens
-        if d:
-            tables = meta.decode_block_tables
-            # [D, max_blocks, bs, KVH, hd] -> [D, KVH, L, hd]
-            kd = k_cache[tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[tables].flatten(1, 2).transpose(1, 2)
-            # The G query heads of one KV head become its "query length": [D, KVH, G, hd]. One dense SDPA
+        g = self.num_heads // self.num_kv_heads
+        for group in meta.decodes:
+            s, n = group.start, group.num_tokens
+            # [n, max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]
+            kd = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+            vd = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+            # The G query heads of one KV head become its "query length": [n, KVH, G, hd]. One dense SDPA
             # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
-            qd = q[:d].view(d, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            out[:d] = od.reshape(d, self.num_heads, self.head_dim)
+            qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
+            out[s:s + n] = od.reshape(n, self.num_heads, self.head_dim)
         for span in meta.prefills:
             s, e = span.start, span.start + span.num_tokens
             if span.context_len == span.num_tokens:
