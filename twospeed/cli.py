@@ -57,7 +57,7 @@ def demo_workload(seed: int = 0) -> list[tuple[float, str, str, int]]:
     rng = random.Random(seed)
     system = "You are a careful assistant. Tools: " + _text(rng, 700)
     items = [(0.0, f"short-{i}", _text(rng, rng.randint(10, 40)), 48) for i in range(4)]
-    items.append((0.0, "long-doc", "Summarise: " + _text(rng, 1800), 24))
+    items.append((0.0, "long-doc", "Summarise: " + _text(rng, 900), 24))  # ~2k tokens
     items.append((0.0, "prefix-turn-1", system + " User: " + _text(rng, 20), 32))
     items.append((1.0, "prefix-turn-2", system + " User: " + _text(rng, 25), 32))
     items += [(1.2, f"short-{i}", _text(rng, rng.randint(10, 40)), 48) for i in range(4, 6)]
