@@ -471,10 +471,7 @@ async def _stream_completion(state: ServerState, body: CompletionRequest, group:
             finals.append(item)
     else:
         if body.stream_options and body.stream_options.include_usage and finals:
-            finals.sort(key=lambda f: f.index)
-            usage = usage_json(finals, [len(ids) for _, ids in prompts], body.n)
-            yield _sse({**base, "choices": [], "usage": usage,
-                        "twospeed": {**_NO_TOKENS, **request_twospeed(group.lane, finals)}})
+            yield _usage_chunk(base, group, finals, [len(ids) for _, ids in prompts], body.n)
     yield _sse("[DONE]")
 
 
@@ -506,10 +503,15 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, group: R
             finals.append(item)
     else:
         if body.stream_options and body.stream_options.include_usage and finals:
-            finals.sort(key=lambda f: f.index)
-            yield _sse({**base, "choices": [], "usage": usage_json(finals, [prompt_len], body.n),
-                        "twospeed": {**_NO_TOKENS, **request_twospeed(group.lane, finals)}})
+            yield _usage_chunk(base, group, finals, [prompt_len], body.n)
     yield _sse("[DONE]")
+
+
+def _usage_chunk(base: dict, group: RequestGroup, finals: list, prompt_lens: list[int], n: int) -> str:
+    """The last data chunk of a stream with include_usage: usage plus the request's whole clock and bill."""
+    finals.sort(key=lambda f: f.index)
+    return _sse({**base, "choices": [], "usage": usage_json(finals, prompt_lens, n),
+                 "twospeed": {**_NO_TOKENS, **request_twospeed(group.lane, finals)}})
 
 
 class SSEResponse(StreamingResponse):
