@@ -148,6 +148,32 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config, server_config, log_level=args.log_level)
 
 
+# -- prefix-score, clock ------------------------------------------------------------------------------
+def add_prefix_score_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompts", metavar="PROMPTS.jsonl", help='one {"prompt": ...} or {"messages": [...]} per line')
+    parser.add_argument("--tokenizer", help="HF checkpoint folder or tokenizer.json (default: the demo model's)")
+    parser.add_argument("--block-size", type=int, default=CacheConfig().block_size, help="KV block size in tokens")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run_prefix_score(args: argparse.Namespace) -> int:
+    from twospeed.lab.prefix_score import run
+
+    return run(args.prompts, args.tokenizer, args.block_size, args.json)
+
+
+def add_clock_args(parser: argparse.ArgumentParser) -> None:
+    from twospeed.plan.commands import add_clock_args as add
+
+    add(parser)
+
+
+def run_clock(args: argparse.Namespace) -> int:
+    from twospeed.plan.commands import run_clock as run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twospeed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
+    prefix_score = sub.add_parser("prefix-score", help="predict prefix-cache hits of a harness's successive prompts")
+    add_prefix_score_args(prefix_score)
+    prefix_score.set_defaults(func=run_prefix_score)
+    clock = sub.add_parser("clock", help="toy two-clocks model of prefill vs decode, or the roofline of a model")
+    add_clock_args(clock)
+    clock.set_defaults(func=run_clock)
     args = parser.parse_args(argv)
     return args.func(args)
 
