@@ -190,6 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     clock = sub.add_parser("clock", help="toy two-clocks model of prefill vs decode, or the roofline of a model")
     add_clock_args(clock)
     clock.set_defaults(func=run_clock)
+    from twospeed.lab import commands as lab  # the lab's flags live with the lab
+
+    bench = sub.add_parser("bench", help="replay a workload against an OpenAI-compatible server; per-lane report")
+    lab.add_bench_args(bench)
+    bench.set_defaults(func=lab.run_bench_command)
+    compare = sub.add_parser("compare", help="compare bench runs lane by lane, with the noise")
+    lab.add_compare_args(compare)
+    compare.set_defaults(func=lab.run_compare_command)
+    lab_demo = sub.add_parser("lab-demo", help="serve the demo model with chunked prefill on, then off; compare")
+    lab.add_lab_demo_args(lab_demo)
+    lab_demo.set_defaults(func=lab.run_lab_demo_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,232 @@
+"""`twospeed bench`: replay a workload against an OpenAI-compatible endpoint and report both speeds per lane.
+
+Open loop (requests go out on the workload's arrival schedule, whatever the server does) unless
+`concurrency` is set (closed loop: that many users, each sending when its last answer is done). Every
+request is streamed and timed token by token (client.py), judged by its lane's gate and SLO, and billed
+(results.py); the server's /metrics is scraped before, during and after. Output: results.json,
+requests.csv and report.html in `out`, and a console summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from twospeed.lab import bill as billing
+from twospeed.lab import gates, results, scrape
+from twospeed.lab.client import Response, stream_request
+from twospeed.lab.prompts import TokenCounter
+from twospeed.lab.schedule import PlanConfig, Planned, Planner
+from twospeed.lab.workload import Price, Workload, load_workload
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    url: str  # API root, e.g. http://127.0.0.1:8000/v1
+    model: str  # the model id the server expects
+    workload: str  # built-in name, YAML file or JSONL trace
+    requests: int | None = None  # stop after this many requests (default 40 when no duration)
+    duration: float | None = None  # or send for this many seconds
+    rate: float | None = None  # total requests/s (open loop), split over lanes by share
+    concurrency: int | None = None  # closed loop: this many users
+    seed: int = 0
+    out: str | None = None  # folder for results.json, requests.csv, report.html
+    tokenizer: str | None = None  # tokenizer.json (or its folder, or 'demo') for token counts
+    price: str | None = None  # INPUT,CACHED,OUTPUT dollars per 1M tokens (overrides the workload's)
+    api_key: str | None = None
+    scale: float = 1.0  # multiplies prompt lengths
+    max_prompt_tokens: int | None = None  # cap on each prompt
+    salt: str | None = None  # None = a fresh random salt (no earlier run's prefix cache can be hit)
+    ignore_eos: bool = False  # ask for exactly max_tokens (vLLM/twospeed extension)
+    label: str | None = None  # a name for this run in comparisons (e.g. "chunked on")
+    timeout: float = 600.0  # seconds per request
+    kv_block_size: int = 16  # tokens per KV block on the server, for the KV memory of cached prefixes
+    late_threshold: float = 0.05  # a request sent this many seconds late counts as late
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.requests is not None and self.duration is not None:
+            raise ValueError("give --requests or --duration, not both")
+        if self.requests is None and self.duration is None:
+            self.requests = 40
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"--duration must be > 0, got {self.duration}")
+        if self.rate is not None and self.concurrency is not None:
+            raise ValueError("give --rate (open loop) or --concurrency (closed loop), not both")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be http(s)://HOST:PORT/v1, got {self.url!r}")
+        self.url = self.url.rstrip("/")
+        if self.salt is None:
+            self.salt = secrets.token_hex(4)
+
+
+def _tokenizer_path(cfg: BenchConfig) -> str | Path | None:
+    if cfg.tokenizer in (None, "demo") and (cfg.tokenizer == "demo" or cfg.model == "demo"):
+        from twospeed.engine.engine import resolve_model_path
+
+        return resolve_model_path("demo")
+    return cfg.tokenizer
+
+
+def _model_config(path) -> dict:
+    try:
+        file = Path(path) / "config.json" if path and Path(path).is_dir() else None
+        return json.loads(file.read_text()) if file and file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | str | None]:
+    """Load and check everything that can be wrong before any traffic is sent."""
+    workload = load_workload(cfg.workload)
+    for lane in workload.lanes:
+        gates.check_config(lane.gate)
+    if cfg.price:
+        workload.price = Price.parse(cfg.price)
+    tok = _tokenizer_path(cfg)
+    counter = TokenCounter(tok)
+    planner = Planner(workload, PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale,
+                                           max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate), counter)
+    return workload, planner, counter, tok
+
+
+async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter: TokenCounter, progress) -> dict:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), limits=limits,
+                                 headers=headers) as client:
+        try:
+            r = await client.get(cfg.url + "/models")
+        except httpx.HTTPError as e:
+            raise ConnectionError(f"cannot reach {cfg.url}: {e}") from None
+        if r.status_code in (401, 403):
+            raise ConnectionError(f"{cfg.url}: HTTP {r.status_code} (an --api-key is needed)")
+        before = await scrape.scrape(client, cfg.url)
+        responses: list[Response] = []
+        start = time.perf_counter()
+        stop, timeline = asyncio.Event(), []
+        sampler = asyncio.create_task(scrape.sample_timeline(client, cfg.url, start, timeline, stop))
+
+        async def one(p: Planned) -> Response:
+            resp = await stream_request(client, cfg.url, workload.lane(p.lane), p, cfg.model, counter, start,
+                                        cfg.ignore_eos)
+            responses.append(resp)
+            progress(resp)
+            return resp
+
+        if cfg.concurrency is None:
+            plan = planner.open_loop(cfg.requests, cfg.duration)
+            tasks = []
+            for p in plan:
+                delay = start + p.offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(p)))
+            await asyncio.gather(*tasks)
+        else:
+            stream = planner.closed_loop()
+            sent = 0
+
+            async def user() -> None:
+                nonlocal sent
+                while True:
+                    if cfg.requests is not None and sent >= cfg.requests:
+                        return
+                    if cfg.duration is not None and time.perf_counter() - start >= cfg.duration:
+                        return
+                    p = next(stream, None)
+                    if p is None:
+                        return
+                    sent += 1
+                    await one(p)
+
+            await asyncio.gather(*(user() for _ in range(cfg.concurrency)))
+        wall = time.perf_counter() - start
+        stop.set()
+        await sampler
+        after = await scrape.scrape(client, cfg.url)
+    return {"responses": responses, "wall": wall, "before": before, "after": after, "timeline": timeline}
+
+
+def run_bench(cfg: BenchConfig, console=None) -> dict:
+    """Run, judge, summarise, write the files; returns the results.json document."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    workload, planner, counter, tok = prepare(cfg)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    total = cfg.requests if cfg.requests is not None else None
+    with Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn(), console=console,
+                  disable=not cfg.progress, transient=True) as bar:
+        task = bar.add_task(workload.name, total=total, errors=0)
+        errors = 0
+
+        def progress(resp: Response) -> None:
+            nonlocal errors
+            errors += resp.error is not None
+            bar.update(task, advance=1, errors=errors)
+
+        raw = asyncio.run(_drive(cfg, workload, planner, counter, progress))
+    doc = assemble(cfg, workload, counter, raw, started, _model_config(tok))
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        results.write_json(doc, out / "results.json")
+        results.write_csv(doc["requests"], out / "requests.csv")
+        from twospeed.lab.report import write_html
+
+        write_html(doc, out)
+    return doc
+
+
+def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: dict, started: str,
+             model_config: dict) -> dict:
+    records = sorted((results.record(r, workload, counter) for r in raw["responses"]), key=lambda r: r["index"])
+    lanes = {lane.name: results.lane_summary([r for r in records if r["lane"] == lane.name], lane.slo,
+                                             workload.price, cfg.seed)
+             for lane in workload.lanes if any(r["lane"] == lane.name for r in records)}
+    lags = [r["lag_s"] for r in records if r["lag_s"] is not None]
+    late = sum(lag > cfg.late_threshold for lag in lags)
+    sources = {r["token_source"] for r in records if r["token_source"]}
+    after = raw["after"]
+    cached_blocks = (after or {}).get(scrape.CACHED_BLOCKS)
+    kind = "twospeed" if scrape.is_twospeed(after) or any(r["server_ttft_s"] is not None for r in records) else "other"
+    return {
+        "schema_version": results.SCHEMA_VERSION,
+        "run": {"workload": workload.name, "workload_digest": workload.digest, "seed": cfg.seed, "salt": cfg.salt,
+                "url": cfg.url, "model": cfg.model, "label": cfg.label,
+                "mode": {"requests": cfg.requests, "duration_s": cfg.duration, "rate": cfg.rate,
+                         "concurrency": cfg.concurrency},
+                "started_at": started, "wall_s": raw["wall"], "scale": cfg.scale,
+                "max_prompt_tokens": cfg.max_prompt_tokens, "ignore_eos": cfg.ignore_eos,
+                "token_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
+                "server_kind": kind},
+        "workload": workload.source,
+        "lanes": lanes,
+        "total": results.lane_summary(records, None, workload.price, cfg.seed),
+        "client": {"lag_p50_s": float(np.percentile(lags, 50)) if lags else None,
+                   "lag_p99_s": float(np.percentile(lags, 99)) if lags else None,
+                   "lag_max_s": max(lags) if lags else None, "late_requests": int(late),
+                   "late_threshold_s": cfg.late_threshold, "fell_behind": bool(lags) and late > 0.01 * len(lags)},
+        "server": {"metrics_delta": scrape.delta(raw["before"], after),
+                   "kv_memory": billing.kv_memory(cached_blocks, cfg.kv_block_size,
+                                                  billing.kv_bytes_per_token(model_config)),
+                   "timeline": raw["timeline"]},
+        "requests": records,
+    }

@@ -1,0 +1,60 @@
+"""The split bill of a run: input tokens that paid a full prefill, cached prefix tokens, output tokens,
+goodput tokens, money from a price table, and the KV memory that cached prefixes hold while they wait.
+
+Token counts come from the server's own bill (twospeed's `twospeed.bill`) when it sends one, else from
+OpenAI's `usage` (`prompt_tokens_details.cached_tokens`), else from the client's count.
+"""
+
+from __future__ import annotations
+
+from twospeed.lab.workload import Price
+
+FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens")
+
+
+def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: int, client_output_tokens: int,
+                 good: bool) -> dict:
+    """One request's bill (token counts) from the best source available."""
+    sb = (server or {}).get("bill")
+    if sb:
+        prompt, cached, out = sb["prompt_tokens"], sb["cached_tokens"], sb["output_tokens"]
+    elif usage:
+        prompt = usage.get("prompt_tokens", client_prompt_tokens)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        out = usage.get("completion_tokens", client_output_tokens)
+    else:
+        prompt, cached, out = client_prompt_tokens, 0, client_output_tokens
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached,
+            "output_tokens": out, "goodput_tokens": out if good else 0}
+
+
+def money(bill: dict, price: Price) -> dict:
+    """Dollars: prefilled input, cached input, output, and the total."""
+    d = {"input_usd": bill["prefilled_tokens"] * price.input_per_m / 1e6,
+         "cached_input_usd": bill["cached_tokens"] * price.cached_input_per_m / 1e6,
+         "output_usd": bill["output_tokens"] * price.output_per_m / 1e6}
+    d["total_usd"] = sum(d.values())
+    return d
+
+
+def total(bills: list[dict]) -> dict:
+    return {k: sum(b[k] for b in bills) for k in FIELDS}
+
+
+def kv_memory(cached_blocks: float | None, block_size: int, bytes_per_token: int | None) -> dict:
+    """The KV memory held by cached prefix blocks at the end of the run (None where the server or the
+    model config does not say)."""
+    tokens = None if cached_blocks is None else int(cached_blocks) * block_size
+    nbytes = None if tokens is None or bytes_per_token is None else tokens * bytes_per_token
+    return {"cached_blocks": None if cached_blocks is None else int(cached_blocks), "block_size": block_size,
+            "cached_tokens_held": tokens, "kv_bytes_per_token": bytes_per_token, "cached_kv_bytes": nbytes}
+
+
+def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int | None:
+    """K and V for every layer and KV head, from a HF config.json (None if the fields are missing)."""
+    try:
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return 2 * config["num_hidden_layers"] * heads * head_dim * dtype_bytes
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None

@@ -1,0 +1,99 @@
+"""The lab's subcommands (`twospeed bench`, `twospeed compare`, `twospeed lab-demo`): flags and entry points,
+kept here so twospeed/cli.py only registers them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="API root of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", required=True, help="the model id the server expects")
+    p.add_argument("--workload", required=True, help="agent | rag | chat | nightly | mixed | FILE.yaml | TRACE.jsonl")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--requests", type=int, help="send this many requests (default 40)")
+    size.add_argument("--duration", type=float, help="or send for this many seconds")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="total requests/s, open loop (default: each lane's own rate)")
+    load.add_argument("--concurrency", type=int, help="closed loop: this many users, each waiting for its answer")
+    p.add_argument("--seed", type=int, default=0, help="fixes every prompt, length and arrival")
+    p.add_argument("--out", help="folder for results.json, requests.csv, report.html")
+    p.add_argument("--tokenizer", help="tokenizer.json or checkpoint folder ('demo' for the demo model) for token counts")
+    p.add_argument("--price", help="INPUT,CACHED,OUTPUT dollars per 1M tokens (default: the workload's)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a 4k-context model)")
+    p.add_argument("--max-prompt-tokens", type=int, help="cap every prompt at this many tokens")
+    p.add_argument("--salt", help="first line of every prompt (default: random, so no earlier run's cache is hit)")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/twospeed extension)")
+    p.add_argument("--label", help="this run's name in comparisons")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--kv-block-size", type=int, default=16, help="the server's KV block size (for KV memory)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def bench_config(args: argparse.Namespace):
+    from twospeed.lab.bench import BenchConfig
+
+    names = {f.name for f in dataclasses.fields(BenchConfig)} - {"progress"}
+    return BenchConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None},
+                       progress=not args.no_progress)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from twospeed.lab.bench import run_bench
+    from twospeed.lab.report import print_summary
+
+    console = Console()
+    if console.width < 150 and not console.is_terminal:
+        console = Console(width=160)  # a log file or CI: don't squeeze the table to 80 columns
+    try:
+        doc = run_bench(bench_config(args), console)
+    except (ValueError, ConnectionError, OSError) as e:
+        print(f"twospeed bench: {e}", file=sys.stderr)
+        return 2
+    print_summary(doc, console)
+    if args.out:
+        console.print(f"wrote {args.out}/results.json, requests.csv, report.html")
+    return 0
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or results.json files); the first is the base")
+    p.add_argument("--force", action="store_true", help="compare runs of different workloads or seeds anyway")
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from twospeed.lab.compare import load_runs, print_comparison
+
+    try:
+        docs = load_runs(args.runs, args.force)
+    except (ValueError, OSError) as e:
+        print(f"twospeed compare: {e}", file=sys.stderr)
+        return 2
+    console = Console()
+    print_comparison(docs, console if console.width >= 150 or console.is_terminal else Console(width=160))
+    return 0
+
+
+def add_lab_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=16, help="requests per run")
+    p.add_argument("--rate", type=float, default=1.0, help="total requests/s")
+    p.add_argument("--scale", type=float, default=0.25, help="prompt length scale (the demo model holds 4096 tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="lab-demo", help="folder for the two runs")
+
+
+def run_lab_demo_command(args: argparse.Namespace) -> int:
+    from twospeed.lab.demo import run_lab_demo
+
+    try:
+        return run_lab_demo(args.requests, args.rate, args.scale, args.seed, args.out)
+    except (ValueError, RuntimeError, ConnectionError, OSError) as e:
+        print(f"twospeed lab-demo: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,124 @@
+"""`twospeed compare RUN_A RUN_B [...]`: one workload against several configurations, lane by lane.
+
+Each later run is set against the first (the baseline): TTFT and ITL (p50, p99), gate pass rate, SLO
+attainment, goodput and the bill, with the difference and whether it is beyond the noise: the 95% bootstrap
+intervals of the two percentiles (or Wilson intervals of the two rates) do not overlap. Token counts are
+exact, so they have no noise column. Runs of different workloads or seeds are refused unless forced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twospeed.lab import results, stats
+
+# (row label, path into a lane summary, interval path or None, unit scale, unit, lower is better)
+ROWS = (
+    ("TTFT p50", ("stats", "ttft", "p50"), ("stats", "ttft", "p50_ci"), 1e3, "ms", True),
+    ("TTFT p99", ("stats", "ttft", "p99"), ("stats", "ttft", "p99_ci"), 1e3, "ms", True),
+    ("ITL p50", ("stats", "itl", "p50"), ("stats", "itl", "p50_ci"), 1e3, "ms", True),
+    ("ITL p99", ("stats", "itl", "p99"), ("stats", "itl", "p99_ci"), 1e3, "ms", True),
+    ("queue p99", ("stats", "queue", "p99"), ("stats", "queue", "p99_ci"), 1e3, "ms", True),
+    ("gate pass", ("gate", "rate"), ("gate", "rate_ci"), 100, "%", False),
+    ("SLO attainment", ("slo", "attainment"), ("slo", "attainment_ci"), 100, "%", False),
+    ("goodput tokens", ("goodput", "tokens"), None, 1, "", False),
+    ("cached input", ("bill", "cached_tokens"), None, 1, "", False),
+    ("prefilled input", ("bill", "prefilled_tokens"), None, 1, "", True),
+    ("output tokens", ("bill", "output_tokens"), None, 1, "", False),
+    ("cost", ("bill", "total_usd"), None, 1, "$", True),
+)
+
+
+@dataclass(slots=True)
+class Cell:
+    value: float | None
+    diff: float | None = None  # this run - baseline, in display units
+    significant: bool | None = None  # beyond the noise (None: no interval to judge by)
+
+
+def _get(d: dict, path: tuple) -> object:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def check_comparable(docs: list[dict], force: bool = False) -> None:
+    """Refuse runs of different workloads (by content digest) or seeds unless forced."""
+    base = docs[0]["run"]
+    for doc in docs[1:]:
+        run = doc["run"]
+        for key, what in (("workload_digest", "workloads"), ("seed", "seeds")):
+            if run[key] != base[key] and not force:
+                raise ValueError(f"runs have different {what} ({base.get('workload')}/{base[key]} vs "
+                                 f"{run.get('workload')}/{run[key]}); pass --force to compare anyway")
+
+
+def compare(docs: list[dict]) -> dict[str, list[tuple[str, list[Cell]]]]:
+    """lane -> [(row label, one Cell per run)] for lanes present in every run, then 'all'."""
+    lanes = [name for name in docs[0]["lanes"] if all(name in d["lanes"] for d in docs[1:])]
+    table = {}
+    for lane in [*lanes, "all"]:
+        summaries = [d["total"] if lane == "all" else d["lanes"][lane] for d in docs]
+        rows = []
+        for label, path, ci_path, scale, _, _ in ROWS:
+            base = _get(summaries[0], path)
+            cells = []
+            for i, s in enumerate(summaries):
+                v = _get(s, path)
+                cell = Cell(None if v is None else v * scale)
+                if i and v is not None and base is not None:
+                    cell.diff = (v - base) * scale
+                    if ci_path:
+                        ov = stats.overlaps(_get(s, ci_path), _get(summaries[0], ci_path))
+                        cell.significant = None if ov is None else not ov
+                cells.append(cell)
+            rows.append((label, cells))
+        table[lane] = rows
+    return table
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "$":
+        return f"${v:.4f}"
+    return f"{v:,.1f}{unit}" if unit else f"{v:,.0f}"
+
+
+def print_comparison(docs: list[dict], console) -> None:
+    from rich.table import Table
+
+    names = [d["run"].get("label") or d["run"]["url"] for d in docs]
+    units = {label: (unit, lower) for label, _, _, _, unit, lower in ROWS}
+    for lane, rows in compare(docs).items():
+        table = Table(title=f"lane {lane}" if lane != "all" else "all lanes")
+        table.add_column("")
+        table.add_column(names[0] + " (base)", justify="right")
+        for n in names[1:]:
+            table.add_column(n, justify="right")
+            table.add_column("diff", justify="right")
+        for label, cells in rows:
+            unit, lower = units[label]
+            row = [label, _fmt(cells[0].value, unit)]
+            for c in cells[1:]:
+                row.append(_fmt(c.value, unit))
+                if c.diff is None:
+                    row.append("-")
+                    continue
+                better = (c.diff < 0) == lower
+                mark = "" if c.significant is None else (" (noise)" if not c.significant else
+                                                         (" [green]better[/]" if better else " [red]worse[/]"))
+                row.append(f"{'+' if c.diff >= 0 else ''}{_fmt(c.diff, unit)}{mark}")
+            table.add_row(*row)
+        console.print(table)
+    console.print("diff: run - base; 'better'/'worse' where the 95% intervals do not overlap, '(noise)' where they do.")
+
+
+def load_runs(paths: list[str], force: bool = False) -> list[dict]:
+    if len(paths) < 2:
+        raise ValueError("compare needs at least two runs")
+    docs = [results.load(p) for p in paths]
+    check_comparable(docs, force)
+    return docs

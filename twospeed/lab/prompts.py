@@ -1,0 +1,120 @@
+"""Synthetic but shaped prompts: the structure of real product traffic without any real text.
+
+agent   a byte-stable shared prefix (system block + tool schemas) + new evidence; answer: one JSON tool call
+rag     retrieved passages with ids ([P017] ...) + a question; answer: two sentences citing passage ids
+chat    a short user message; answer: long free text
+nightly a shared mapping instruction + one data row; answer: a small JSON object with an allowed code
+
+Lengths are in tokens of the target model's tokenizer when one is given (`TokenCounter`), otherwise
+estimated from words. Everything is drawn from a numpy Generator, so a seed fixes every byte; the run's
+salt goes first in every prompt so no prefix cached by an earlier run can be hit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+WORDS = ("account order invoice shipment refund customer warehouse carrier delay status region policy update "
+         "report ticket priority escalate review approve reject balance payment credit window schedule route "
+         "inventory supplier contract clause renewal discount margin forecast quarter budget audit compliance "
+         "incident outage latency deploy rollback service cluster region replica backup restore metric alert "
+         "threshold owner team project milestone deadline summary detail evidence source record field value "
+         "the a of to and in for with on by from at as is was are be this that it which").split()
+TOOLS = ("lookup_order", "issue_refund", "update_address", "escalate_ticket", "search_knowledge_base",
+         "schedule_callback", "cancel_subscription", "check_inventory")
+CODES = ("RETAIL", "WHOLESALE", "LOGISTICS", "FINANCE", "SUPPORT", "UNKNOWN")
+
+
+class TokenCounter:
+    """Counts tokens with the target model's tokenizer (tokenizer.json), or estimates ~1.3 tokens a word."""
+
+    def __init__(self, tokenizer_path: str | Path | None = None):
+        self.tokenizer = None
+        if tokenizer_path is not None:
+            from tokenizers import Tokenizer
+
+            path = Path(tokenizer_path)
+            file = path / "tokenizer.json" if path.is_dir() else path
+            if not file.is_file():
+                raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
+            self.tokenizer = Tokenizer.from_file(str(file))
+        sample = " ".join(WORDS * 4)
+        self.tokens_per_word = self.count(sample) / len(sample.split()) if self.tokenizer else 1.3
+
+    @property
+    def exact(self) -> bool:
+        return self.tokenizer is not None
+
+    def count(self, text: str) -> int:
+        if self.tokenizer is None:
+            return max(1, round(len(text.split()) * 1.3)) if text else 0
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def words_for(self, tokens: int) -> int:
+        return max(1, round(tokens / self.tokens_per_word))
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str
+    meta: dict = field(default_factory=dict)  # what gates need: passage ids, allowed codes
+
+
+def words(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
+    return " ".join(rng.choice(WORDS, size=counter.words_for(tokens)).tolist()) if tokens > 0 else ""
+
+
+def agent_prefix(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
+    """System block and tool schemas: the part a harness must keep byte-stable for the prefix cache. The
+    schemas are a fixed cost; the system block fills the rest of `tokens`."""
+    tools = [{"name": name, "description": f"{name.replace('_', ' ')} for the account in question",
+              "parameters": {"type": "object", "properties": {"id": {"type": "string"}, "note": {"type": "string"}},
+                             "required": ["id"]}} for name in TOOLS]
+    schemas = f"\nTOOLS:\n{json.dumps(tools)}\n"
+    head = "SYSTEM: You are an operations agent. Call exactly one tool per turn. "
+    filler = max(0, tokens - counter.count(head + schemas))
+    return head + words(rng, counter, filler) + schemas
+
+
+def agent(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
+    text = (f"{prefix}TURN {turn} EVIDENCE: {words(rng, counter, new_tokens)}\n"
+            'Reply with one JSON tool call {"tool": NAME, "arguments": {...}}:\n')
+    return Prompt(text, {"tools": list(TOOLS)})
+
+
+def rag(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
+    n = max(2, new_tokens // 180)
+    ids = sorted({f"P{int(x):03d}" for x in rng.choice(999, size=n, replace=False)})
+    per = max(4, new_tokens // len(ids))
+    passages = "\n".join(f"[{pid}] {words(rng, counter, per)}" for pid in ids)
+    text = (f"{prefix}RETRIEVED PASSAGES:\n{passages}\nQUESTION: {words(rng, counter, 16)}?\n"
+            "Answer in two sentences and cite the passage ids you used, like [P012].\nANSWER:")
+    return Prompt(text, {"passage_ids": ids})
+
+
+def chat(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
+    return Prompt(f"{prefix}USER: Please draft a detailed note about {words(rng, counter, new_tokens)}\nASSISTANT:")
+
+
+def nightly_prefix(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
+    return (f"Map each row to a JSON object {{\"code\": CODE, \"confidence\": 0..1}} where CODE is one of "
+            f"{', '.join(CODES)}. Guidance: {words(rng, counter, tokens)}\n")
+
+
+def nightly(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
+    row = f"id={int(rng.integers(10**6))}, name={words(rng, counter, 4)}, notes={words(rng, counter, new_tokens)}"
+    return Prompt(f"{prefix}ROW: {row}\nJSON:", {"allowed_codes": list(CODES)})
+
+
+BUILDERS = {"agent": agent, "rag": rag, "chat": chat, "nightly": nightly}
+PREFIXES = {"agent": agent_prefix, "nightly": nightly_prefix}
+
+
+def shared_prefix(kind: str, rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
+    if tokens <= 0:
+        return ""
+    return PREFIXES.get(kind, lambda r, c, t: "CONTEXT: " + words(r, c, t) + "\n")(rng, counter, tokens)

@@ -1,0 +1,147 @@
+"""A run for people: the console summary (rich) and report.html with PNG plots (matplotlib, Agg).
+
+Plots: TTFT vs prompt tokens (prefill's cost), ITL vs token position (decode's), CDFs of TTFT and ITL per
+lane, and tokens per engine step over time when the server exposes them. Everything is read from the
+results.json document, so a report can be rebuilt from a saved run.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import numpy as np
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:,.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def summary_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for name, lane in [*doc["lanes"].items(), ("all", doc["total"])]:
+        s = lane["stats"]
+        rows.append([name, str(lane["requests"]), str(lane["errors"]), _ms(s["ttft"]["p50"]), _ms(s["ttft"]["p99"]),
+                     _ms(s["itl"]["p50"]), _ms(s["itl"]["p99"]), _ms(s["tpot"]["p50"]), _ms(s["queue"]["p99"]),
+                     _pct(lane["gate"]["rate"]), _pct(lane["slo"]["attainment"]),
+                     f"{lane['goodput']['tokens']:,}", f"{lane['bill']['cached_tokens']:,}",
+                     f"{lane['bill']['prefilled_tokens']:,}", f"{lane['bill']['output_tokens']:,}",
+                     f"${lane['bill']['total_usd']:.4f}"])
+    return rows
+
+
+HEADERS = ["lane", "reqs", "err", "TTFT p50 ms", "TTFT p99", "ITL p50 ms", "ITL p99", "TPOT p50", "queue p99",
+           "gate", "SLO", "goodput tok", "cached in", "prefilled in", "output", "cost"]
+
+
+def print_summary(doc: dict, console) -> None:
+    from rich.table import Table
+
+    run = doc["run"]
+    title = (f"{run['workload']} against {run['model']} ({run['label'] or run['url']}), seed {run['seed']}, "
+             f"{run['wall_s']:.1f} s, token timing from {run['token_source']}")
+    table = Table(title=title)
+    for h in HEADERS:
+        table.add_column(h, justify="left" if h == "lane" else "right")
+    for row in summary_rows(doc):
+        table.add_row(*row)
+    console.print(table)
+    c = doc["client"]
+    if c["fell_behind"]:
+        console.print(f"[bold yellow]warning[/]: the client fell behind its schedule: {c['late_requests']} requests "
+                      f"sent more than {c['late_threshold_s'] * 1e3:.0f} ms late (max {_ms(c['lag_max_s'])} ms); "
+                      "the load was lighter than intended")
+    kv = doc["server"]["kv_memory"]
+    if kv.get("cached_blocks") is not None:
+        size = "" if kv["cached_kv_bytes"] is None else f" = {kv['cached_kv_bytes'] / 2**20:.1f} MiB of KV"
+        console.print(f"KV held by cached prefixes at the end: {kv['cached_blocks']} blocks "
+                      f"({kv['cached_tokens_held']:,} tokens){size}")
+    for name, lane in doc["lanes"].items():
+        for f in lane["gate"].get("failures", []):
+            console.print(f"  gate failures in {name}: {f['count']} x {f['reason']}")
+
+
+# -- plots ------------------------------------------------------------------------------------------
+def _plots(doc: dict, out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reqs = [r for r in doc["requests"] if r["error"] is None and r["ttft_s"] is not None]
+    lanes = list(doc["lanes"])
+    made = []
+
+    def save(fig, name: str, caption: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        made.append((name, caption))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lane in lanes:
+        rs = [r for r in reqs if r["lane"] == lane]
+        ax.scatter([r["prompt_tokens"] for r in rs], [r["ttft_s"] * 1e3 for r in rs], s=12, label=lane)
+    ax.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="TTFT vs prompt length (prefill)")
+    ax.legend(fontsize=8)
+    save(fig, "ttft_vs_prompt.png", "Time to first token against prompt tokens, per lane.")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for lane in lanes:
+        pos = [i + 1 for r in reqs if r["lane"] == lane for i in range(len(r["itl_s"]))]
+        gaps = [g * 1e3 for r in reqs if r["lane"] == lane for g in r["itl_s"]]
+        ax.scatter(pos, gaps, s=4, alpha=0.5, label=lane)
+    ax.set(xlabel="output token position", ylabel="ITL (ms)", title="ITL vs token position (decode)")
+    ax.legend(fontsize=8)
+    save(fig, "itl_vs_position.png", "Each inter-token gap against the position of the token in its answer.")
+
+    for metric, key, per_token in (("TTFT", "ttft_s", False), ("ITL", "itl_s", True)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for lane in lanes:
+            rs = [r for r in reqs if r["lane"] == lane]
+            v = np.sort([g for r in rs for g in r[key]] if per_token else [r[key] for r in rs]) * 1e3
+            if len(v):
+                ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=lane)
+        ax.set(xlabel=f"{metric} (ms)", ylabel="fraction", title=f"CDF of {metric} per lane")
+        ax.legend(fontsize=8)
+        save(fig, f"cdf_{metric.lower()}.png", f"Cumulative distribution of {metric} per lane.")
+
+    timeline = doc["server"]["timeline"]
+    if timeline:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for kind in ("prefill", "decode"):
+            pts = [(p["t_s"], p[f"{kind}_tokens_per_step"]) for p in timeline if p[f"{kind}_tokens_per_step"]]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=kind)
+        ax.set(xlabel="time (s)", ylabel="tokens per step", title="Tokens per engine step (server)")
+        ax.legend(fontsize=8)
+        save(fig, "tokens_per_step.png", "Mean prefill and decode tokens per engine step, sampled from /metrics.")
+    return made
+
+
+def write_html(doc: dict, out: Path) -> Path:
+    plots = _plots(doc, out)
+    run = doc["run"]
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in summary_rows(doc))
+    figs = "".join(f'<figure><img src="{n}" alt="{html.escape(c)}"><figcaption>{html.escape(c)}</figcaption></figure>'
+                   for n, c in plots)
+    c = doc["client"]
+    warn = (f"<p class=warn>The client fell behind: {c['late_requests']} requests were sent late.</p>"
+            if c["fell_behind"] else "")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>twospeed bench: {html.escape(run['workload'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
+padding:3px 6px;text-align:right}}figure{{display:inline-block;margin:1em}}.warn{{color:#a60}}</style></head><body>
+<h1>twospeed bench: {html.escape(run['workload'])}</h1>
+<p>{html.escape(run['model'])} at {html.escape(run['url'])}{' (' + html.escape(run['label']) + ')' if run['label'] else ''};
+seed {run['seed']}, started {html.escape(run['started_at'])}, {run['wall_s']:.1f} s; token timing from
+{html.escape(run['token_source'])}; times in ms (TTFT: send to first content token; ITL: per token).</p>{warn}
+<table><tr>{head}</tr>{body}</table>{figs}
+<p>Data: results.json (schema: twospeed/lab/results.schema.json), requests.csv.</p></body></html>"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

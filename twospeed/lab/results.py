@@ -1,0 +1,152 @@
+"""A run's results: one judged record per request, per-lane statistics, the bill, and the files that hold them.
+
+results.json follows results.schema.json (next to this file; `validate` checks a document against it) and
+requests.csv has one row per request with every timing and bill field. Times are seconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+
+from twospeed.lab import bill as billing
+from twospeed.lab import gates, stats
+from twospeed.lab.client import Response
+from twospeed.lab.workload import SLO, Workload
+
+SCHEMA_VERSION = 1
+METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
+CSV_FIELDS = ("index", "lane", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens", "cached_tokens",
+              "prefilled_tokens", "output_tokens", "goodput_tokens", "cost_usd", "ttft_s", "ttlt_s", "tpot_s",
+              "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
+              "token_source", "server_queue_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
+              "server_slo_met", "finish_reason", "gate_passed", "gate_reason", "slo_met", "slo_missed", "good")
+
+
+def schema() -> dict:
+    return json.loads(resources.files("twospeed.lab").joinpath("results.schema.json").read_text())
+
+
+def validate(doc: dict) -> None:
+    """Raises jsonschema.ValidationError if `doc` is not a valid results.json."""
+    jsonschema.validate(doc, schema())
+
+
+def judge_slo(slo: SLO, ttft: float | None, itl_p99: float | None, ttlt: float | None) -> list[str]:
+    """The objectives this request missed (empty = met). A request with no first token misses them all."""
+    missed = []
+    if slo.ttft_ms is not None and (ttft is None or ttft * 1e3 > slo.ttft_ms):
+        missed.append("ttft")
+    if slo.itl_ms is not None and itl_p99 is not None and itl_p99 * 1e3 > slo.itl_ms:
+        missed.append("itl")
+    if slo.completion_window_s is not None and (ttlt is None or ttlt > slo.completion_window_s):
+        missed.append("completion_window")
+    return missed
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def record(resp: Response, workload: Workload, counter) -> dict:
+    """Judge one response: gate, SLO, bill, money; plus its timing fields."""
+    lane = workload.lane(resp.planned.lane)
+    t = resp.timing
+    ok = resp.error is None and t is not None and t.output_tokens > 0
+    gate = gates.run_gate(lane.gate, resp.text, resp.planned.meta) if ok else gates.GateResult(False, "no answer")
+    itl_p99 = _pct(t.itl, 99) if ok else None
+    missed = judge_slo(lane.slo, t.ttft if ok else None, itl_p99, t.ttlt if ok else None) if ok else ["error"]
+    good = ok and gate.passed and not missed
+    b = billing.request_bill(resp.usage, resp.server, counter.count(resp.planned.prompt), t.output_tokens if t else 0,
+                             good)
+    clock = (resp.server or {}).get("clock") or {}
+    slo = (resp.server or {}).get("slo") or {}
+    return {
+        "index": resp.planned.index, "lane": lane.name, "status": resp.status, "error": resp.error,
+        "intended_s": resp.intended, "sent_s": resp.sent,
+        "lag_s": None if resp.intended is None else resp.sent - resp.intended,
+        **b, "cost_usd": billing.money(b, workload.price)["total_usd"],
+        "ttft_s": t.ttft if t else None, "ttlt_s": t.ttlt if t else None, "tpot_s": t.tpot if t else None,
+        "itl_p50_s": _pct(t.itl, 50) if t else None, "itl_p99_s": itl_p99, "itl_max_s": max(t.itl) if t and t.itl else None,
+        "num_chunks": len(t.chunk_gaps) + 1 if t and t.output_tokens else 0,
+        "chunk_gap_p50_s": _pct(t.chunk_gaps, 50) if t else None,
+        "chunk_gap_max_s": max(t.chunk_gaps) if t and t.chunk_gaps else None,
+        "token_source": t.source if t else None,
+        "server_queue_s": _s(clock.get("queue_ms")), "server_prefill_s": _s(clock.get("prefill_ms")),
+        "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
+        "server_slo_met": slo.get("met"), "finish_reason": resp.finish_reason,
+        "gate_passed": gate.passed, "gate_reason": gate.reason, "slo_met": not missed, "slo_missed": ",".join(missed),
+        "good": good, "itl_s": list(t.itl) if t else [], "chunk_gaps_s": list(t.chunk_gaps) if t else [],
+        "text_head": resp.text[:200],
+    }
+
+
+def lane_summary(records: list[dict], slo: SLO | None, price, seed: int) -> dict:
+    """Statistics, gate pass rate, SLO attainment, goodput and bill over some requests."""
+    ok = [r for r in records if r["error"] is None]
+    values = {"ttft": [r["ttft_s"] for r in ok], "itl": [g for r in ok for g in r["itl_s"]],
+              "chunk_gap": [g for r in ok for g in r["chunk_gaps_s"]], "tpot": [r["tpot_s"] for r in ok],
+              "ttlt": [r["ttlt_s"] for r in ok], "queue": [r["server_queue_s"] for r in ok],
+              "prefill": [r["server_prefill_s"] for r in ok], "server_ttft": [r["server_ttft_s"] for r in ok]}
+    n = len(records)
+    passed = sum(r["gate_passed"] for r in records)
+    met = sum(r["slo_met"] for r in records)
+    good = sum(r["good"] for r in records)
+    b = billing.total(records)
+    attainment = met / n if n else None
+    return {
+        "requests": n, "errors": n - len(ok),
+        "stats": {m: stats.summarize(v, seed=seed) for m, v in values.items()},
+        "gate": {"passed": passed, "rate": passed / n if n else None, "rate_ci": stats.proportion_ci(passed, n),
+                 "failures": _top_reasons([r["gate_reason"] for r in records if not r["gate_passed"]])},
+        "slo": {**(slo.as_dict() if slo else {}), "met_requests": met, "attainment": attainment,
+                "attainment_ci": stats.proportion_ci(met, n),
+                "met": None if slo is None or attainment is None else attainment >= slo.target},
+        "goodput": {"requests": good, "rate": good / n if n else None, "tokens": b["goodput_tokens"]},
+        "bill": {**b, **billing.money(b, price)},
+    }
+
+
+def _top_reasons(reasons: list[str], k: int = 3) -> list[dict]:
+    counts: dict[str, int] = {}
+    for r in reasons:
+        key = r.split(":")[0][:80]
+        counts[key] = counts.get(key, 0) + 1
+    return [{"reason": r, "count": c} for r, c in sorted(counts.items(), key=lambda x: -x[1])[:k]]
+
+
+def write_csv(records: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(records)
+
+
+def write_json(doc: dict, path: Path) -> None:
+    """Write, then validate (a schema failure is a bug in the lab; the run's data is kept for it)."""
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    validate(doc)
+
+
+def load(run: str | Path) -> dict:
+    """A results.json, or a run folder holding one."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise ValueError(f"{run}: no results.json")
+    doc = json.loads(path.read_text())
+    try:
+        validate(doc)
+    except jsonschema.ValidationError as e:
+        raise ValueError(f"{path}: not a twospeed results.json: {e.message}") from None
+    return doc

@@ -1,0 +1,245 @@
+"""Workloads: a mix of lanes, each with its own arrival process, prompt shape, lengths, SLO, gate and price.
+
+A workload is YAML (the built-ins live in twospeed/lab/workloads/: agent, rag, chat, nightly, mixed; copy
+one and edit it) or a JSONL trace (one request per line with its send time). `load_workload` turns either
+into a `Workload` of `Lane` dataclasses, validated here so a typo fails before any traffic is sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+BUILTIN = ("agent", "rag", "chat", "nightly", "mixed")
+PROMPT_KINDS = ("agent", "rag", "chat", "nightly", "trace")
+ARRIVALS = ("poisson", "gamma", "constant")
+
+
+@dataclass(slots=True)
+class Dist:
+    """A length distribution in tokens: fixed (min == max), uniform, or lognormal clipped to [min, max]."""
+
+    kind: str = "uniform"  # "fixed" | "uniform" | "lognormal"
+    min: int = 1
+    max: int = 1
+    median: float | None = None  # lognormal: the median (tokens)
+    sigma: float = 0.5  # lognormal: spread of log(length)
+
+    @classmethod
+    def parse(cls, value: Any, what: str) -> "Dist":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls("fixed", value, value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{what}: expected a number of tokens or {{dist, min, max}}, got {value!r}")
+        d = cls(kind=value.get("dist", "uniform"), min=int(value["min"]), max=int(value["max"]),
+                median=value.get("median"), sigma=float(value.get("sigma", 0.5)))
+        if d.kind not in ("fixed", "uniform", "lognormal"):
+            raise ValueError(f"{what}: dist must be fixed, uniform or lognormal, got {d.kind!r}")
+        if not 0 <= d.min <= d.max:
+            raise ValueError(f"{what}: need 0 <= min <= max, got {d.min}..{d.max}")
+        return d
+
+    def sample(self, rng: np.random.Generator) -> int:
+        if self.kind == "fixed" or self.min == self.max:
+            return self.min
+        if self.kind == "uniform":
+            return int(rng.integers(self.min, self.max + 1))
+        median = self.median or (self.min + self.max) / 2
+        return int(np.clip(round(rng.lognormal(np.log(median), self.sigma)), self.min, self.max))
+
+    def scaled(self, factor: float) -> "Dist":
+        return dataclasses.replace(self, min=max(1, round(self.min * factor)), max=max(1, round(self.max * factor)),
+                                   median=None if self.median is None else self.median * factor)
+
+
+@dataclass(slots=True)
+class Arrival:
+    """How a lane's requests arrive: Poisson, gamma (burstiness = coefficient of variation of the gaps; 1 is
+    Poisson, >1 bursty, <1 regular) or constant spacing. `rate` is requests/s for this lane."""
+
+    process: str = "poisson"
+    rate: float = 1.0
+    burstiness: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.process not in ARRIVALS:
+            raise ValueError(f"arrival process must be one of {ARRIVALS}, got {self.process!r}")
+        if not self.rate > 0 or not self.burstiness > 0:
+            raise ValueError(f"arrival rate and burstiness must be > 0, got {self.rate}, {self.burstiness}")
+
+
+@dataclass(slots=True)
+class SLO:
+    """A lane's objectives, judged per request: ttft and the request's own p99 ITL, or (for batch lanes) a
+    completion window on ttlt. `target` is the share of requests that must meet them (0.99 for a p99)."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    completion_window_s: float | None = None
+    target: float = 0.99
+
+    @classmethod
+    def parse(cls, value: dict | None) -> "SLO":
+        value = dict(value or {})
+        known = {"ttft_p99_ms": "ttft_ms", "itl_p99_ms": "itl_ms", "completion_window_s": "completion_window_s",
+                 "target": "target"}
+        unknown = set(value) - set(known)
+        if unknown:
+            raise ValueError(f"unknown SLO keys {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**{known[k]: float(v) for k, v in value.items()})
+
+    def as_dict(self) -> dict:
+        return {"ttft_p99_ms": self.ttft_ms, "itl_p99_ms": self.itl_ms,
+                "completion_window_s": self.completion_window_s, "target": self.target}
+
+
+@dataclass(slots=True)
+class Lane:
+    """One kind of traffic: its share of the load, prompt shape, lengths, objectives and gate."""
+
+    name: str
+    kind: str  # prompt shape: agent | rag | chat | nightly | trace
+    share: float = 1.0  # fraction of the workload's requests (normalised over lanes)
+    arrival: Arrival = field(default_factory=Arrival)
+    prompt_tokens: Dist = field(default_factory=lambda: Dist("fixed", 64, 64))  # the new (unshared) part
+    prefix_tokens: int = 0  # the lane's byte-stable shared prefix (system block + tool schemas)
+    prefix_reuse: float = 1.0  # probability a request starts with the shared prefix (else a fresh one)
+    max_tokens: Dist = field(default_factory=lambda: Dist("fixed", 64, 64))
+    slo: SLO = field(default_factory=SLO)
+    gate: dict = field(default_factory=lambda: {"type": "none"})
+    endpoint: str = "completions"  # "completions" | "chat"
+    temperature: float = 0.0
+    response_format: dict | None = None  # sent as is (structured output), when the server supports it
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROMPT_KINDS:
+            raise ValueError(f"lane {self.name!r}: kind must be one of {PROMPT_KINDS}, got {self.kind!r}")
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"lane {self.name!r}: endpoint must be completions or chat, got {self.endpoint!r}")
+        if not 0 <= self.prefix_reuse <= 1 or self.share <= 0:
+            raise ValueError(f"lane {self.name!r}: need 0 <= prefix_reuse <= 1 and share > 0")
+
+
+@dataclass(slots=True)
+class Price:
+    """Dollars per 1M tokens."""
+
+    input_per_m: float = 0.0
+    cached_input_per_m: float = 0.0
+    output_per_m: float = 0.0
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> "Price":
+        """From the workload's dict or the CLI's 'INPUT,CACHED,OUTPUT' (dollars per 1M tokens)."""
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            parts = value.split(",")
+            if len(parts) != 3:
+                raise ValueError(f"--price expects INPUT,CACHED,OUTPUT dollars per 1M tokens, got {value!r}")
+            return cls(*(float(p) for p in parts))
+        return cls(**{k: float(v) for k, v in value.items()})
+
+
+@dataclass(slots=True)
+class TraceItem:
+    """One request of a replayed trace: send offset (s), lane, prompt text, max_tokens."""
+
+    t: float
+    lane: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    lanes: list[Lane]
+    description: str = ""
+    price: Price = field(default_factory=Price)
+    trace: list[TraceItem] | None = None  # replay these instead of sampling arrivals
+    source: dict = field(default_factory=dict)  # the parsed YAML (or a trace summary), kept in results.json
+
+    @property
+    def digest(self) -> str:
+        """Identifies the workload's content, so `compare` can refuse runs of different workloads."""
+        blob = json.dumps({"source": self.source, "trace": [dataclasses.astuple(t) for t in self.trace or []]},
+                          sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def lane(self, name: str) -> Lane:
+        for lane in self.lanes:
+            if lane.name == name:
+                return lane
+        raise KeyError(name)
+
+
+def _lane(d: dict) -> Lane:
+    d = dict(d)
+    name = d.pop("name", None)
+    if not name:
+        raise ValueError("every lane needs a name")
+    known = {f.name for f in dataclasses.fields(Lane)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"lane {name!r}: unknown keys {sorted(unknown)}")
+    arrival = d.pop("arrival", {}) or {}
+    return Lane(name=name, kind=d.pop("kind", "chat"), arrival=Arrival(**arrival),
+                prompt_tokens=Dist.parse(d.pop("prompt_tokens", 64), f"lane {name}: prompt_tokens"),
+                max_tokens=Dist.parse(d.pop("max_tokens", 64), f"lane {name}: max_tokens"),
+                slo=SLO.parse(d.pop("slo", None)), gate=d.pop("gate", None) or {"type": "none"}, **d)
+
+
+def parse_workload(doc: dict) -> Workload:
+    if not isinstance(doc, dict) or not doc.get("lanes"):
+        raise ValueError("a workload needs a 'lanes' list")
+    lanes = [_lane(x) for x in doc["lanes"]]
+    names = [lane.name for lane in lanes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lane names must be unique, got {names}")
+    return Workload(name=str(doc.get("name", "custom")), lanes=lanes, description=doc.get("description", ""),
+                    price=Price.parse(doc.get("price")), source=doc)
+
+
+def load_trace(path: Path) -> Workload:
+    """JSONL, one request a line: {"t": seconds from start, "prompt": text, "max_tokens": n, "lane": name}."""
+    items = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            items.append(TraceItem(float(d["t"]), str(d.get("lane", "trace")), str(d["prompt"]),
+                                   int(d.get("max_tokens", 64))))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{i}: expected {{t, prompt, max_tokens?, lane?}}: {e}") from None
+    if not items:
+        raise ValueError(f"{path}: empty trace")
+    items.sort(key=lambda x: x.t)
+    lanes = [Lane(name=n, kind="trace") for n in dict.fromkeys(x.lane for x in items)]
+    return Workload(name=path.stem, lanes=lanes, description=f"trace replay of {path.name}", trace=items,
+                    source={"trace": path.name, "requests": len(items)})
+
+
+def load_workload(spec: str) -> Workload:
+    """A built-in name (agent, rag, chat, nightly, mixed), a YAML file, or a JSONL trace."""
+    if spec in BUILTIN:
+        text = resources.files("twospeed.lab").joinpath("workloads", f"{spec}.yaml").read_text()
+        return parse_workload(yaml.safe_load(text))
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"workload {spec!r}: not a built-in ({', '.join(BUILTIN)}) nor a file")
+    if path.suffix == ".jsonl":
+        return load_trace(path)
+    try:
+        return parse_workload(yaml.safe_load(path.read_text()))
+    except (yaml.YAMLError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
