@@ -1,0 +1,68 @@
+"""Checks of the peers harness that need no peer: ratios, the lab summary, command lines, prompt lengths.
+
+    .venv/bin/python -m pytest benchmarks/peers/test_peers.py -q
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run_peers  # noqa: E402
+import serve  # noqa: E402
+
+
+def test_ratios_are_to_the_best_in_the_run_and_one_is_best():
+    rows = [{"v": 100.0}, {"v": 50.0}, {}]
+    up = run_peers.column(rows, lambda r: r["v"], higher_is_better=True)
+    assert [x for _, x in up] == ["1.00", "0.50", "-"]
+    down = run_peers.column(rows, lambda r: r["v"], higher_is_better=False)  # latency: best / value
+    assert [x for _, x in down] == ["0.50", "1.00", "-"]
+
+
+def _lane(met, met_requests, ttft99=0.5, itl99=0.05):
+    stat = lambda p99: {"n": 3, "p50": p99 / 2, "p90": p99, "p99": p99, "max": p99, "p99_ci": None}  # noqa: E731
+    return {"requests": 3, "errors": 0, "stats": {"ttft": stat(ttft99), "itl": stat(itl99)},
+            "slo": {"attainment": met_requests / 3, "met": met, "met_requests": met_requests},
+            "goodput": {"requests": 0, "tokens": 0}}
+
+
+def test_lab_summary_goodput_and_all_met():
+    results = {"run": {"wall_s": 10.0}, "lanes": {"chat": _lane(True, 3), "rag": _lane(False, 1)},
+               "total": {"errors": 0}, "client": {"late_requests": 0, "fell_behind": False}}
+    s = run_peers.lab_summary(results)
+    assert s["slo_goodput_rps"] == pytest.approx(0.4)
+    assert s["all_slos_met"] is False
+    assert s["lanes"]["chat"]["ttft_p99_s"] == 0.5
+    results["lanes"]["rag"] = _lane(None, 0)  # a lane without an SLO does not fail the rate
+    assert run_peers.lab_summary(results)["all_slos_met"] is True
+    assert run_peers.lab_summary({"error": "boom"}) == {"error": "boom"}
+
+
+def test_commands_bind_loopback_and_reject_bad_input(monkeypatch):
+    monkeypatch.setattr(Path, "exists", lambda self: True)
+    for engine in serve.ENGINES:
+        cmd, env = serve.command_for(engine, "bf16", 12345)
+        assert "127.0.0.1" in cmd and "12345" in cmd
+    cmd, env = serve.command_for("vllm", "fp32", 1)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and cmd[cmd.index("--dtype") + 1] == "float32"
+    with pytest.raises(ValueError):
+        serve.command_for("sglang", "bf16", 1)
+    with pytest.raises(ValueError):
+        serve.command_for("llama", "fp16", 1)
+
+
+@pytest.mark.skipif(not (serve.model_dir("bf16") / "tokenizer.json").is_file(), reason="checkpoint not built")
+def test_prompts_have_the_asked_token_count_and_differ_by_salt():
+    from client import PromptMaker
+
+    a = PromptMaker(serve.model_dir("bf16"), "aaaa")
+    b = PromptMaker(serve.model_dir("bf16"), "bbbb")
+    for n in (64, 512):
+        p = a.make(n, 0)
+        assert n - 1 <= a.count(p) <= n
+    assert a.make(64, 0).split(":")[0] != b.make(64, 0).split(":")[0]
