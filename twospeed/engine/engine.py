@@ -80,7 +80,8 @@ class LLMEngine:
         self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len)
         self.max_model_len = max_len
 
-        self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len)
+        self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
+                                prepack=config.prepack_weights)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
@@ -89,6 +90,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos)
+        self._grammars = None  # structured.GrammarCompiler, made on the first constrained request
         self.last_stats: StepStats | None = None
         self._counter = 0
 
@@ -115,9 +117,11 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens but {self._len_limit} is {self.max_model_len} "
                              f"(the prompt and at least one output token must fit)")
         room = self.max_model_len - len(ids)
+        grammar = self._grammar_state(params) if params.structured is not None else None
         req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,
                       eos_token_ids=self.eos_token_ids,
                       max_output_tokens=min(params.max_tokens or room, room))
+        req.grammar = grammar
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         if self.tokenizer is not None:
@@ -127,6 +131,20 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         self.scheduler.add_request(req)
         return req
+
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler (llguidance tokenizer + compiled-grammar cache), made on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer (the engine was started with skip_tokenizer_init)")
+            from twospeed.engine.structured import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                             self.eos_token_ids)
+        return self._grammars
+
+    def _grammar_state(self, params: SamplingParams):
+        return self.grammars.new_state(params.structured)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and return its KV blocks; False if it is unknown or already finished."""
@@ -154,7 +172,11 @@ class LLMEngine:
                 req.append_token(token, now)
                 if lp is not None:
                     req.logprobs.append(lp)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 self._check_stop(req)
+                if req.grammar is not None:
+                    self._jump_forward(req, now)
                 touched.append(req)
         end = time.monotonic()
         self.last_stats = StepStats(
@@ -164,6 +186,18 @@ class LLMEngine:
             kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks)
         return [self._output(r) for r in touched]
+
+    def _jump_forward(self, req: Request, now: float) -> None:
+        """Append the tokens the grammar forces (its mask allows one token only): no forward pass picks
+        them; their KV is computed in the next step with the next sample. Off when logprobs are asked
+        for, since a forced token has no model distribution to report."""
+        if req.params.logprobs is not None:
+            return
+        while not req.is_finished and (token := req.grammar.forced_token()) is not None:
+            req.append_token(token, now)
+            req.bill.forced_tokens += 1
+            req.grammar.accept(token)
+            self._check_stop(req)
 
     def _check_stop(self, req: Request) -> None:
         token = req.output_token_ids[-1]
@@ -176,6 +210,8 @@ class LLMEngine:
                 status, reason = RequestStatus.FINISHED_STOPPED, token
             elif stop_str is not None:
                 status, reason = RequestStatus.FINISHED_STOPPED, stop_str
+            elif req.grammar is not None and req.grammar.is_complete:
+                status = RequestStatus.FINISHED_STOPPED  # the document is complete: stop without waiting for EOS
         if status is None and len(req.output_token_ids) >= req.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -100,11 +100,12 @@ class Bill:
     prefilled_tokens: int = 0  # prompt tokens whose KV was first computed by this request
     output_tokens: int = 0  # tokens emitted (paid decode)
     recomputed_tokens: int = 0  # tokens computed again after a preemption dropped their KV
+    forced_tokens: int = 0  # of output_tokens, those a grammar forced: appended without a decode step of their own
 
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "prefilled_tokens": self.prefilled_tokens, "output_tokens": self.output_tokens,
-                "recomputed_tokens": self.recomputed_tokens}
+                "recomputed_tokens": self.recomputed_tokens, "forced_tokens": self.forced_tokens}
 
 
 @dataclass(slots=True)
@@ -145,6 +146,7 @@ class Request:
         self.num_preemptions = 0
         self.high_water = 0  # positions [0, high_water) were computed or served from cache at least once
         self.generator = None  # torch.Generator when params.seed is set (made by the sampler)
+        self.grammar = None  # structured.GrammarState when params.structured is set
         self.detokenizer = None  # IncrementalDetokenizer when a tokenizer is loaded
         self.text = ""
         self.num_emitted = 0  # output tokens already reported in a RequestOutput

@@ -6,11 +6,13 @@ torch.Generator, so its tokens do not depend on what else is in the batch or
 on preemption (the generator lives on the request, not on its KV). Sampling
 uses the exponential race (argmax of p / Exp(1) noise), which draws exactly
 from p and needs one noise vector per row. Logprobs are those of the raw model
-distribution, before any filter, as vLLM reports them.
+distribution, before any filter or grammar mask, as vLLM reports them. A constrained
+request's row is masked to the tokens its grammar allows (structured.py) before any filter.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from twospeed.engine.request import Logprob, Request
@@ -25,6 +27,7 @@ class Sampler:
         """logits: [N, vocab] float32, row i for requests[i] -> one token id and optional logprobs per row."""
         raw = logits
         logits = self._mask_early_stops(logits, requests)
+        logits = self._mask_grammars(logits, requests)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
@@ -50,6 +53,25 @@ class Sampler:
             return logits
         logits = logits.clone()
         logits[rows, cols] = float("-inf")
+        return logits
+
+    def _mask_grammars(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Rows of constrained requests keep only the tokens their grammar allows; other rows are untouched."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return logits
+        masks = []
+        for i in rows:
+            g = requests[i].grammar
+            g.sync(requests[i].output_token_ids)  # a no-op unless the tokens changed behind the matcher
+            masks.append(g.allowed())
+        allowed = torch.from_numpy(np.stack(masks)).to(logits.device)  # [len(rows), grammar vocab]
+        vocab = logits.shape[-1]
+        if allowed.shape[1] < vocab:  # logits wider than the tokenizer's vocabulary: padding ids never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+        logits = logits.clone()
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab], float("-inf"))
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -2,8 +2,62 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class StructuredOutput:
+    """What a constrained request's output must match: set exactly one of json, json_object, regex,
+    choice, grammar. Compiled by twospeed/engine/structured.py (llguidance) when the request is added.
+
+    JSON schemas compile to compact JSON (no optional whitespace: a weak model would otherwise pad
+    with it); a schema's own "x-guidance" options (llguidance's) override that.
+    """
+
+    json: dict[str, Any] | bool | str | None = None  # a JSON schema (dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches this regex (Rust regex syntax)
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) or a GBNF/EBNF one
+    jump_forward: bool = True  # append tokens the grammar forces without a forward pass of their own
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured output: the JSON schema is not valid JSON: {e}") from e
+        given = [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
+                                          ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar)) if value is not None]
+        if len(given) != 1:
+            raise ValueError("structured output needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"structured output: a JSON schema is an object or a boolean, got {type(self.json).__name__}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured output: choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured output: {name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """The content the compiled grammar depends on (the compile cache's key)."""
+        kind = self.kind
+        value = {"json_object": True}.get(kind, getattr(self, kind))
+        return kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(slots=True)
@@ -23,8 +77,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs of each output token (plus the sampled one)
     skip_special_tokens: bool = True
+    structured: StructuredOutput | dict[str, Any] | None = None  # constrained output; a dict is a JSON schema
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutput(json=self.structured)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput or a JSON schema dict, "
+                             f"got {type(self.structured).__name__}")
+        if self.structured is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides "
+                             "where the document ends")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -33,13 +33,14 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     samples: bool = False  # reaches the last known token, so its logits give the next one
-    is_decode: bool = False  # computes the token sampled in the previous step (not prompt, not recompute)
+    is_decode: bool = False  # computes the token sampled in the previous step (not prompt, not recompute),
+    # plus any tokens a grammar forced after it (jump-forward: several new output tokens, one step)
 
     def __post_init__(self) -> None:
         r = self.request
         self.samples = self.start + self.num_tokens == r.num_tokens
-        self.is_decode = (self.num_tokens == 1 and self.samples and len(r.output_token_ids) > 0
-                          and self.start >= r.high_water)
+        self.is_decode = (self.samples and len(r.output_token_ids) > 0 and self.start >= r.high_water
+                          and self.start >= r.num_prompt_tokens)
 
 
 @dataclass(slots=True)
