@@ -44,6 +44,7 @@ class BenchConfig:
     api_key: str | None = None
     scale: float = 1.0  # multiplies prompt lengths
     max_prompt_tokens: int | None = None  # cap on each prompt
+    max_output_tokens: int | None = None  # cap on each request's max_tokens
     salt: str | None = None  # None = a fresh random salt (no earlier run's prefix cache can be hit)
     ignore_eos: bool = False  # ask for exactly max_tokens (vLLM/twospeed extension)
     label: str | None = None  # a name for this run in comparisons (e.g. "chunked on")
@@ -100,7 +101,8 @@ def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | s
     tok = _tokenizer_path(cfg)
     counter = TokenCounter(tok)
     planner = Planner(workload, PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale,
-                                           max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate), counter)
+                                           max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate,
+                                           max_output_tokens=cfg.max_output_tokens), counter)
     return workload, planner, counter, tok
 
 
@@ -214,7 +216,8 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
                 "mode": {"requests": cfg.requests, "duration_s": cfg.duration, "rate": cfg.rate,
                          "concurrency": cfg.concurrency},
                 "started_at": started, "wall_s": raw["wall"], "scale": cfg.scale,
-                "max_prompt_tokens": cfg.max_prompt_tokens, "ignore_eos": cfg.ignore_eos,
+                "max_prompt_tokens": cfg.max_prompt_tokens, "max_output_tokens": cfg.max_output_tokens,
+                "ignore_eos": cfg.ignore_eos,
                 "token_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
                 "server_kind": kind},
         "workload": workload.source,

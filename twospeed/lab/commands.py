@@ -25,6 +25,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a 4k-context model)")
     p.add_argument("--max-prompt-tokens", type=int, help="cap every prompt at this many tokens")
+    p.add_argument("--max-output-tokens", type=int, help="cap every request's max_tokens")
     p.add_argument("--salt", help="first line of every prompt (default: random, so no earlier run's cache is hit)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/twospeed extension)")
     p.add_argument("--label", help="this run's name in comparisons")
@@ -86,7 +87,7 @@ def add_lab_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="total requests/s")
     p.add_argument("--scale", type=float, default=0.25, help="prompt length scale (the demo model holds 4096 tokens)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="lab-demo", help="folder for the two runs")
+    p.add_argument("--out", default="bench_out/lab-demo", help="folder for the two runs")
 
 
 def run_lab_demo_command(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ a small-context model.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ class PlanConfig:
     scale: float = 1.0  # multiplies prompt lengths (prefix and new part)
     max_prompt_tokens: int | None = None  # cap per prompt (tokens of --tokenizer, else estimated)
     rate: float | None = None  # total requests/s, split over lanes by share; None = the lanes' own rates
+    max_output_tokens: int | None = None  # cap on every request's max_tokens (shorter runs)
 
     def __post_init__(self) -> None:
         if not self.scale > 0:
@@ -77,6 +77,8 @@ class Planner:
         prefix = self.prefixes[lane.name] if rng.random() < lane.prefix_reuse else self._prefix(lane, lane_idx, index)
         new = max(1, round(lane.prompt_tokens.sample(rng) * self.config.scale))
         max_tokens = lane.max_tokens.sample(rng)
+        if self.config.max_output_tokens:
+            max_tokens = min(max_tokens, self.config.max_output_tokens)
         turn = self.turns[lane.name] = self.turns.get(lane.name, 0) + 1
         state = rng.bit_generator.state
         for _ in range(6):  # shrink the new part until the prompt fits the cap
@@ -138,7 +140,3 @@ class Planner:
         while True:
             yield self.build(i, str(rng.choice(names, p=p)), None)
             i += 1
-
-
-def replace_offset(p: Planned, offset: float) -> Planned:
-    return dataclasses.replace(p, offset=offset)

@@ -1,0 +1,90 @@
+"""The lab end to end: `twospeed serve` on the demo model (a subprocess on a free loopback port), a short
+`mixed` workload through `twospeed bench`, results.json checked against its schema, the client's TTFT
+against the server's own, cached tokens in the agent lane, and `twospeed compare` on two runs."""
+
+import csv
+import json
+
+import pytest
+
+from twospeed.cli import main
+from twospeed.lab import compare, results
+from twospeed.lab.local_server import LocalServer
+
+# Client TTFT (send -> first content token received) must be at least the server's (arrival -> first token
+# sampled) and exceed it by at most HTTP and event-loop overhead: 0.5 s or half the client's TTFT, whichever
+# is larger (the machine is shared, so the bound is loose; it still catches a wrong clock or a wrong chunk).
+TTFT_SLACK_S = 0.005
+TTFT_OVERHEAD_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server():
+    from twospeed.model.demo import demo_checkpoint_path
+
+    demo_checkpoint_path()
+    with LocalServer("demo", ["--kv-cache-memory-gb", "0.1", "--max-num-batched-tokens", "256"]) as s:
+        yield s
+
+
+def _bench(server, out, salt, seed="0", label="a"):
+    return main(["bench", "--url", server.url, "--model", "demo", "--workload", "mixed", "--requests", "10",
+                 "--rate", "5", "--seed", seed, "--scale", "0.1", "--max-prompt-tokens", "1000",
+                 "--max-output-tokens", "12", "--ignore-eos", "--tokenizer", "demo", "--salt", salt,
+                 "--label", label, "--out", str(out), "--no-progress"])
+
+
+@pytest.fixture(scope="module")
+def runs(server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab")
+    assert _bench(server, root / "a", "e2e-a", label="a") == 0
+    assert _bench(server, root / "b", "e2e-b", label="b") == 0
+    return root
+
+
+def test_results_follow_the_schema(runs):
+    doc = json.loads((runs / "a" / "results.json").read_text())
+    results.validate(doc)
+    assert doc["run"]["server_kind"] == "twospeed" and doc["run"]["token_source"] == "twospeed"
+    assert doc["total"]["requests"] == 10 and doc["total"]["errors"] == 0
+    assert set(doc["lanes"]) <= {"agent", "rag", "chat", "nightly"} and len(doc["lanes"]) >= 3
+    with open(runs / "a" / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10 and set(results.CSV_FIELDS) == set(rows[0])
+    for name in ("report.html", "ttft_vs_prompt.png", "itl_vs_position.png", "cdf_ttft.png", "cdf_itl.png"):
+        assert (runs / "a" / name).stat().st_size > 0
+    assert doc["server"]["metrics_delta"]["twospeed:generation_tokens_total"] == doc["total"]["bill"]["output_tokens"]
+
+
+def test_client_and_server_ttft_agree(runs):
+    doc = json.loads((runs / "a" / "results.json").read_text())
+    for r in doc["requests"]:
+        assert r["server_ttft_s"] is not None and r["output_tokens"] == 12
+        assert r["server_ttft_s"] <= r["ttft_s"] + TTFT_SLACK_S
+        assert r["ttft_s"] - r["server_ttft_s"] <= max(TTFT_OVERHEAD_S, 0.5 * r["ttft_s"])
+        assert len(r["itl_s"]) == r["output_tokens"] - 1
+
+
+def test_agent_lane_hits_the_prefix_cache(runs):
+    doc = json.loads((runs / "a" / "results.json").read_text())
+    agent = doc["lanes"]["agent"]
+    assert agent["requests"] >= 2 and agent["bill"]["cached_tokens"] > 0
+    assert agent["bill"]["prefilled_tokens"] + agent["bill"]["cached_tokens"] == agent["bill"]["prompt_tokens"]
+    assert doc["server"]["kv_memory"]["cached_blocks"] > 0
+
+
+def test_compare_two_runs(runs, capsys):
+    assert main(["compare", str(runs / "a"), str(runs / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "lane agent" in out and "TTFT p99" in out and "goodput tokens" in out
+    docs = [results.load(runs / "a"), results.load(runs / "b")]
+    table = compare.compare(docs)
+    ttft = dict(table["all"])["TTFT p99"]
+    assert ttft[1].diff == pytest.approx(ttft[1].value - ttft[0].value)
+    other = json.loads((runs / "b" / "results.json").read_text())
+    other["run"]["seed"] = 1
+    (runs / "c").mkdir()
+    (runs / "c" / "results.json").write_text(json.dumps(other))
+    assert main(["compare", str(runs / "a"), str(runs / "c")]) == 2
+    assert "different seeds" in capsys.readouterr().err
+    assert main(["compare", str(runs / "a"), str(runs / "c"), "--force"]) == 0
