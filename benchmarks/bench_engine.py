@@ -116,21 +116,6 @@ def load_hf(path: Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every linear weight, lm_head, the norms; the embedding table only when
-    it doubles as lm_head (tied), and then once. Parameters that share storage count once."""
-    seen, total = set(), 0
-    tied = SHAPE["tie_word_embeddings"]
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if "embed_tokens" in name and not tied:
-            continue
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
-
-
 # -- the machine -----------------------------------------------------------------------------------
 def cpu_model() -> str:
     fields = {}
@@ -744,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if "c" in parts:
             with monitor.part("(c)"):
-                c = measure_c(llm, hf, sizes, rng, decode_weight_bytes(llm.engine.model))
+                c = measure_c(llm, hf, sizes, rng, llm.engine.model.weight_bytes())
             bw_samples += [(f"around (c) #{i + 1}", bw) for i, bw in enumerate(c["bw_pairs"])]
             ctx["c"] = c
             log(f"(c) twospeed step {ms(c['ts_step'])} ms ({c['ts_fraction_alongside']:.0%} of the copy floor "

@@ -95,9 +95,11 @@ class TorchPagedAttention:
         g = self.num_heads // self.num_kv_heads
         for group in meta.decodes:
             s, n = group.start, group.num_tokens
-            # [n, max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]
-            kd = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
-            vd = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+            # [n * max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]. index_select copies whole blocks (memcpy rows);
+            # advanced indexing (k_cache[tables]) took 3-10x longer for the same bytes.
+            ids = group.block_tables.view(-1)
+            kd = k_cache.index_select(0, ids).view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vd = v_cache.index_select(0, ids).view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
             # The G query heads of one KV head become its "query length": [n, KVH, G, hd]. One dense SDPA
             # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
             qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
@@ -108,8 +110,8 @@ class TorchPagedAttention:
             if span.context_len == span.num_tokens:
                 kp, vp = k[s:e], v[s:e]  # nothing before this chunk: use the fresh K/V directly
             else:
-                kp = k_cache[span.block_table].flatten(0, 1)[: span.context_len]
-                vp = v_cache[span.block_table].flatten(0, 1)[: span.context_len]
+                kp = k_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len]
+                vp = v_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len]
             # 4-D inputs: SDPA's fused CPU kernel only takes batched tensors (3-D falls back to the slow math path)
             op = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from twospeed.config import DTYPES, ModelConfig
 from twospeed.model.llama import LlamaForCausalLM
+from twospeed.model.packed_linear import can_prepack
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -152,8 +153,10 @@ def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None) -> LlamaForCausalLM:
-    """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights."""
+               max_positions: int | None = None, prepack: bool = True) -> LlamaForCausalLM:
+    """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights.
+
+    prepack: on a CPU with oneDNN bf16 kernels, reorder bf16 linear weights once (model/packed_linear.py)."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
     prev = torch.get_default_dtype()
@@ -165,4 +168,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
         torch.set_default_dtype(prev)
     model.requires_grad_(False)
     load_weights(model, path)
+    if prepack and can_prepack(device, dtype):
+        model.prepack()
     return model.eval()
