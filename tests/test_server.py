@@ -207,7 +207,8 @@ def test_usage_cached_tokens_and_twospeed_object(server):
     assert cached > 0 and cached % ENGINE["block_size"] == 0 and cached < u2["prompt_tokens"]
     ts = second.json()["twospeed"]
     assert ts["bill"] == {"prompt_tokens": u2["prompt_tokens"], "cached_tokens": cached,
-                          "prefilled_tokens": u2["prompt_tokens"] - cached, "output_tokens": 4, "recomputed_tokens": 0}
+                          "prefilled_tokens": u2["prompt_tokens"] - cached, "output_tokens": 4, "recomputed_tokens": 0,
+                          "forced_tokens": 0}
     clock = ts["clock"]
     for key in ("queue_ms", "prefill_ms", "ttft_ms", "tpot_ms", "ttlt_ms"):
         assert clock[key] >= 0
@@ -351,10 +352,12 @@ BAD = [
     ("completions", {"model": "demo", "prompt": "hi", "lane": "no spaces allowed"}, "lane"),
     ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs"),
+    # tools and response_format are served (tests/test_server_structured.py); malformed ones are 400s.
     ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          "tools": [{"type": "function", "function": {"name": "not a name"}}]}, "tools"),
     ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                          "response_format": {"type": "json_object"}}, "response_format"),
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                              "type": "foo"}}}}, "response_format"),
     ("chat/completions", {"model": "demo", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("chat/completions", {"model": "demo", "messages": [{"role": "user", "content": None}]}, "messages"),

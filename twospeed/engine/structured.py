@@ -19,6 +19,7 @@ model, so jump-forward never changes which tokens a greedy request emits.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -27,6 +28,8 @@ import llguidance as llg
 import numpy as np
 
 from twospeed.engine.sampling_params import StructuredOutput
+
+_GBNF_FIRST_RULE = re.compile(r"\s*(?:#[^\n]*\n\s*)*[A-Za-z][\w-]*\s*::=")
 
 # Compact JSON unless the schema's "x-guidance" says otherwise: no optional whitespace to ramble in.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -65,8 +68,8 @@ class GrammarCompiler:
             return llg.LLMatcher.grammar_from_regex(spec.regex)
         if kind == "choice":
             return llg.grammar_from("choice", spec.choice)
-        # Lark first (llguidance's own dialect); GBNF ("root ::= ...") is converted to Lark.
-        fmt = "gbnf" if "::=" in spec.grammar else "lark"
+        # Lark (llguidance's own dialect) unless the first rule is written GBNF's way ("root ::= ...").
+        fmt = "gbnf" if _GBNF_FIRST_RULE.match(spec.grammar) else "lark"
         try:
             return llg.grammar_from(fmt, spec.grammar)
         except ValueError as e:

@@ -38,7 +38,7 @@ from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec
 from twospeed.server.metrics import CONTENT_TYPE, ServerMetrics
 from twospeed.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
 from twospeed.server.responses import (chat_logprobs, completion_logprobs, request_twospeed, sequence_twospeed,
-                                       server_timing, usage_json)
+                                       server_timing, tool_call_json, usage_json)
 from twospeed.server.slo import LaneSLO, SLOTable, load_slo_file, parse_slo_flag
 
 log = logging.getLogger("twospeed.server")
@@ -253,7 +253,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
         messages = [m.to_template() for m in body.messages]
         try:
             text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                       **(body.chat_template_kwargs or {}))
+                                                       tools=body.tools or None, **(body.chat_template_kwargs or {}))
         except UnsupportedValue:
             raise
         except Exception as e:  # a template's raise_exception, a missing field, no template at all
@@ -270,10 +270,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
         choices = []
         for f in finals:
             out = f.output
-            choice = {"index": f.index, "message": {"role": "assistant", "content": out.text},
+            message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+            call = body.parse_tool_call(out.text) if out.finish_reason == "stop" else None
+            if call is not None:
+                message, finish = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}, "tool_calls"
+            choice = {"index": f.index, "message": message,
                       "logprobs": (chat_logprobs(state.token_text, out.logprobs or [], top_n)
                                    if top_n is not None else None),
-                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                      "finish_reason": finish, "stop_reason": out.stop_reason}
             if body.return_token_ids:
                 choice["token_ids"] = out.token_ids
             choices.append(choice)
@@ -369,7 +373,10 @@ async def _submit(state: ServerState, body, request: Request, specs: list[Sequen
     try:
         await engine.add(group)
     except ValueError as e:
-        raise APIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+        message = str(e)
+        structured = "structured output" in message or "JSON schema" in message or "grammar" in message
+        param = body.structured_param if structured else ("prompt" if "prompt" in message else None)
+        raise APIError(400, message, param=param) from None
     except RuntimeError as e:
         raise APIError(400, f"the engine refused this request: {e}") from None
     return group
@@ -486,14 +493,28 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, group: R
         if body.return_token_ids:
             choice["token_ids"] = []
         yield _sse({**base, "choices": [choice], "twospeed": _NO_TOKENS})
+    # With tools, a choice whose text starts with "{" is a tool call: its text is held back and sent as one
+    # tool_calls delta when the call is complete (or as content if it was cut off by max_tokens).
+    held: dict[int, str] = {}
     async for item in _stream_items(state, group):
         if isinstance(item, dict):
             yield _sse(item)
             break
         out = item.output
         k = len(out.new_token_ids)
-        choice = {"index": item.index, "delta": {"content": out.new_text} if out.new_text or not out.finished else {},
-                  "logprobs": None, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        finish = out.finish_reason
+        if body.tool_mode != "none" and (item.index in held or out.text[:1] == "{"):
+            held[item.index] = out.text
+            delta = {}
+            if out.finished:
+                call = body.parse_tool_call(out.text) if out.finish_reason == "stop" else None
+                if call is not None:
+                    delta, finish = {"tool_calls": [tool_call_json(call, 0)]}, "tool_calls"
+                else:
+                    delta = {"content": out.text}
+        choice = {"index": item.index, "delta": delta,
+                  "logprobs": None, "finish_reason": finish, "stop_reason": out.stop_reason}
         if top_n is not None and k:
             choice["logprobs"] = chat_logprobs(state.token_text, (out.logprobs or [])[-k:], top_n)
         if body.return_token_ids:

@@ -9,15 +9,24 @@ twospeed extras (vLLM's names where vLLM has one): top_k, min_p, min_tokens, ign
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority,
 return_token_ids (the choice's token ids), and `lane` (the SLO lane; also the
 x-twospeed-lane header).
+
+Structured output: `response_format` (json_object, json_schema) on both endpoints, and `tools` +
+`tool_choice` on chat, become a StructuredOutput the engine compiles (llguidance). A tool call is
+generated as one compact JSON object {"name": ..., "arguments": {...}} whose arguments follow the
+function's parameters schema; with tool_choice "auto" the grammar allows either that object or free
+text that does not start with "{" (so the first character decides, and streaming can pass text through).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from twospeed.engine.sampling_params import SamplingParams
+from twospeed.engine.sampling_params import SamplingParams, StructuredOutput
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # as OpenAI
@@ -34,6 +43,29 @@ def _integral(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_schema(schema: Any, param: str, where: str) -> dict | bool:
+    """A JSON schema checked against its meta-schema; a 400 naming where it is wrong otherwise."""
+    if not isinstance(schema, (dict, bool)):
+        raise UnsupportedValue(param, f"{where} must be a JSON schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
+        raise UnsupportedValue(param, f"{where}{at} is not a valid JSON schema: {e.message}") from None
+    return schema
+
+
+def tool_call_schema(functions: dict[str, dict]) -> dict:
+    """The JSON schema of one call of one of these functions: {"name": <const>, "arguments": <its parameters>}."""
+    alternatives = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                     "properties": {"name": {"const": name}, "arguments": params}}
+                    for name, params in functions.items()]
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
 
 
 class UnsupportedValue(ValueError):
@@ -77,8 +109,10 @@ class _SamplingRequest(_Model):
     priority: Int | None = Field(None, ge=-(2**31), le=2**31 - 1,
                                  description="scheduling priority (lower first) with --scheduling-policy priority")
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        self.response_format_output()  # raises on a malformed response_format or an invalid schema
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options is only allowed when stream is true")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -92,6 +126,31 @@ class _SamplingRequest(_Model):
         if any(not s for s in stops):
             raise UnsupportedValue("stop", "stop strings must be non-empty")
 
+    def response_format_output(self) -> StructuredOutput | None:
+        """response_format as a StructuredOutput: None for text, any object for json_object, the schema for json_schema."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return StructuredOutput(json_object=True)
+        if rf.get("type") == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise UnsupportedValue("response_format", "response_format json_schema needs a \"json_schema\" "
+                                                          "object with a \"schema\" (a JSON schema object)")
+            schema = spec.get("schema", {"type": "object"})
+            return StructuredOutput(json=check_schema(schema, "response_format", "response_format.json_schema.schema"))
+        raise UnsupportedValue("response_format", f"response_format type {rf.get('type')!r} is not supported "
+                                                  "(use text, json_object or json_schema)")
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.response_format_output()
+
+    @property
+    def structured_param(self) -> str | None:
+        """The field a grammar compile error is blamed on."""
+        return "response_format" if self.response_format_output() is not None else None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = self.seed
@@ -103,7 +162,7 @@ class _SamplingRequest(_Model):
             top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
             seed=seed, stop=stops, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured_output())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -172,7 +231,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     modalities: list[str] | None = None
@@ -183,14 +241,82 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs requires logprobs: true")
-        if self.tools:
-            raise UnsupportedValue("tools", "tools are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedValue("tool_choice", "tool_choice is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedValue("response_format", "only response_format {\"type\": \"text\"} is supported")
+        functions = self.functions()
+        if self.tool_mode != "none" and self.response_format_output() is not None:
+            raise UnsupportedValue("response_format", "response_format cannot be combined with tools unless "
+                                                      "tool_choice is \"none\"")
+        if self.tool_mode not in ("none", "auto", "required") and self.tool_mode not in functions:
+            raise UnsupportedValue("tool_choice", f"tool_choice names function {self.tool_mode!r}, which is not "
+                                                  f"in tools ({', '.join(functions) or 'none given'})")
         if self.modalities is not None and self.modalities != ["text"]:
             raise UnsupportedValue("modalities", "only the text modality is supported")
+
+    def functions(self) -> dict[str, dict]:
+        """The tools' functions by name, each with a checked parameters schema."""
+        out: dict[str, dict] = {}
+        for i, tool in enumerate(self.tools or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict):
+                raise UnsupportedValue("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+                raise UnsupportedValue("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ or -; "
+                                                f"got {name!r}")
+            if name in out:
+                raise UnsupportedValue("tools", f"tools[{i}]: function {name!r} is defined twice")
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            out[name] = check_schema(params, "tools", f"tools[{i}].function.parameters")
+        return out
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required", or the name of the function tool_choice forces."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice in ("none", "auto", "required"):
+            if choice != "none" and not self.tools:
+                raise UnsupportedValue("tool_choice", f"tool_choice {choice!r} needs tools")
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+                and isinstance(choice["function"].get("name"), str):
+            return choice["function"]["name"]
+        raise UnsupportedValue("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
+                                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+    def structured_output(self) -> StructuredOutput | None:
+        mode = self.tool_mode
+        if mode == "none":
+            return self.response_format_output()
+        functions = self.functions()
+        if mode not in ("auto", "required"):
+            functions = {mode: functions[mode]}
+        call = tool_call_schema(functions)
+        if mode != "auto":
+            return StructuredOutput(json=call)
+        # Free text (not starting with "{", so the first character decides) or one tool call.
+        compact = {"x-guidance": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}, **call}
+        return StructuredOutput(grammar=f"start: call | TEXT\ncall: %json {json.dumps(compact)}\n"
+                                        "TEXT: /[^{][\\s\\S]*/\n")
+
+    @property
+    def structured_param(self) -> str | None:
+        if self.tool_mode != "none":
+            return "tools"
+        return super().structured_param
+
+    def parse_tool_call(self, text: str) -> dict | None:
+        """The {"name", "arguments"} object a tool grammar produced, or None for plain text / a cut-off call."""
+        if self.tool_mode == "none" or not text.startswith("{"):
+            return None
+        try:
+            call = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or call.get("name") not in self.functions() \
+                or not isinstance(call.get("arguments"), dict):
+            return None
+        return call
 
     @property
     def output_limit(self) -> int | None:

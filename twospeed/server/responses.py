@@ -7,7 +7,9 @@ the Server-Timing header.
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 from collections.abc import Callable
 
 from twospeed.engine.request import Clock, Logprob, percentile
@@ -124,3 +126,12 @@ def chat_logprobs(token_text: Callable[[int], str], lps: list[Logprob], top_n: i
         tops = sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]
         content.append({**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in tops]})
     return {"content": content}
+
+
+# -- tool calls ------------------------------------------------------------------------------------
+def tool_call_json(call: dict, index: int | None = None) -> dict:
+    """One OpenAI tool call from the {"name", "arguments"} object a tool grammar produced (arguments as a
+    JSON string, as OpenAI sends them); streamed deltas carry the call's index too."""
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
