@@ -124,7 +124,8 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
                 now = time.perf_counter()
                 event = json.loads(data)
                 if "error" in event:
-                    resp.error = str(event["error"].get("message", event["error"]))
+                    err = event["error"]
+                    resp.error = str(err.get("message", err) if isinstance(err, dict) else err)
                     break
                 ts = event.get("twospeed") or {}
                 if event.get("usage"):
@@ -147,7 +148,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
                     texts.append(text)
                     if k > 0 or text:
                         chunks.append(Chunk(now, max(k, 1 if text else 0), emits))
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # a foreign server's garbage
         resp.error = f"{type(e).__name__}: {e}"
     resp.text = "".join(texts)
     resp.timing = reconstruct(chunks, send, source)
