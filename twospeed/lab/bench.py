@@ -197,6 +197,16 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     return doc
 
 
+def client_lag(lags: list[float], threshold: float) -> dict:
+    """How far behind its schedule the client sent (open loop). It fell behind when more than 1% of requests
+    went out over `threshold` seconds late: then the server saw a lighter load than the workload asked for."""
+    late = sum(lag > threshold for lag in lags)
+    return {"lag_p50_s": float(np.percentile(lags, 50)) if lags else None,
+            "lag_p99_s": float(np.percentile(lags, 99)) if lags else None,
+            "lag_max_s": max(lags) if lags else None, "late_requests": int(late), "late_threshold_s": threshold,
+            "fell_behind": bool(lags) and late > 0.01 * len(lags)}
+
+
 def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: dict, started: str,
              model_config: dict) -> dict:
     records = sorted((results.record(r, workload, counter) for r in raw["responses"]), key=lambda r: r["index"])
@@ -204,7 +214,6 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
                                              workload.price, cfg.seed)
              for lane in workload.lanes if any(r["lane"] == lane.name for r in records)}
     lags = [r["lag_s"] for r in records if r["lag_s"] is not None]
-    late = sum(lag > cfg.late_threshold for lag in lags)
     sources = {r["token_source"] for r in records if r["token_source"]}
     after = raw["after"]
     cached_blocks = (after or {}).get(scrape.CACHED_BLOCKS)
@@ -223,10 +232,7 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
         "workload": workload.source,
         "lanes": lanes,
         "total": results.lane_summary(records, None, workload.price, cfg.seed),
-        "client": {"lag_p50_s": float(np.percentile(lags, 50)) if lags else None,
-                   "lag_p99_s": float(np.percentile(lags, 99)) if lags else None,
-                   "lag_max_s": max(lags) if lags else None, "late_requests": int(late),
-                   "late_threshold_s": cfg.late_threshold, "fell_behind": bool(lags) and late > 0.01 * len(lags)},
+        "client": client_lag(lags, cfg.late_threshold),
         "server": {"metrics_delta": scrape.delta(raw["before"], after),
                    "kv_memory": billing.kv_memory(cached_blocks, cfg.kv_block_size,
                                                   billing.kv_bytes_per_token(model_config)),
