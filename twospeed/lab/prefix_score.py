@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import difflib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -289,8 +290,6 @@ def print_report(report: PrefixReport, console: Any = None) -> None:
 
 def run(path: str, tokenizer: str | None = None, block_size: int = 16, as_json: bool = False) -> int:
     """`twospeed prefix-score`: 0 on success, 2 on bad input (the message says why)."""
-    import sys
-
     try:
         prompts = read_prompts(path, load_tokenizer(tokenizer))
         report = score_prompts(prompts, block_size)
