@@ -189,3 +189,14 @@ def test_compiled_grammars_cached_by_content(llm):
     hits, misses = grammars.hits, grammars.misses
     llm.generate("b", SamplingParams(max_tokens=32, structured=reordered))
     assert (grammars.hits, grammars.misses) == (hits + 1, misses)
+
+
+def test_a_grammar_failure_ends_only_that_request(llm):
+    engine = llm.engine
+    broken = engine.add_request(None, "a", SamplingParams(max_tokens=16, temperature=0, structured=NESTED))
+    healthy = engine.add_request(None, "a", SamplingParams(max_tokens=64, temperature=0, structured=NESTED))
+    broken.grammar.accept = lambda token: False  # as if the grammar library hit a parser limit mid-document
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert broken.finish_reason == "abort" and broken.stop_reason.startswith("structured output failed")
+    assert healthy.finish_reason == "stop" and engine.kv.num_free_blocks == engine.num_blocks

@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = max_len
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
-                                prepack=config.prepack_weights)
+                                prepack=config.prepack_weights, attention_backend=config.attention_backend)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
@@ -172,12 +172,13 @@ class LLMEngine:
                 req.append_token(token, now)
                 if lp is not None:
                     req.logprobs.append(lp)
-                if req.grammar is not None:
-                    req.grammar.accept(token)
+                touched.append(req)
+                if req.grammar is not None and not req.grammar.accept(token):
+                    self._grammar_failed(req)
+                    continue
                 self._check_stop(req)
                 if req.grammar is not None:
                     self._jump_forward(req, now)
-                touched.append(req)
         end = time.monotonic()
         self.last_stats = StepStats(
             time=end, step_time=end - start, num_prefill_tokens=out.num_prefill_tokens,
@@ -196,8 +197,18 @@ class LLMEngine:
         while not req.is_finished and (token := req.grammar.forced_token()) is not None:
             req.append_token(token, now)
             req.bill.forced_tokens += 1
-            req.grammar.accept(token)
+            if not req.grammar.accept(token):
+                self._grammar_failed(req)
+                return
             self._check_stop(req)
+
+    def _grammar_failed(self, req: Request) -> None:
+        """The grammar library gave up on this request (a parser limit mid-document): end it alone, say why."""
+        log.warning("request %s: structured output failed: %s", req.request_id, req.grammar.error)
+        if req.detokenizer is not None:
+            req.detokenizer.add_tokens(req.output_token_ids[-1:])
+        req.stop_reason = f"structured output failed: {req.grammar.error}"
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
     def _check_stop(self, req: Request) -> None:
         token = req.output_token_ids[-1]

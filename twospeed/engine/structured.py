@@ -85,7 +85,10 @@ class GrammarCompiler:
             return proto.deep_copy()
         self.misses += 1
         grammar = self.grammar_text(spec)
-        proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        try:
+            proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        except Exception as e:  # llguidance raises for some malformed grammars instead of an error state
+            raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {e}") from None
         if proto.is_error():
             raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {proto.get_error().strip()}")
         self._cache[key] = proto
@@ -118,12 +121,17 @@ class GrammarState:
             self._allowed = bits[: self.vocab_size].astype(bool)
         return self._allowed
 
-    def accept(self, token_id: int) -> None:
-        """Advance by one emitted token; a token the mask forbade is a bug, not a user error."""
-        if not self.matcher.consume_token(token_id):
-            raise RuntimeError(f"grammar rejected token {token_id}: {self.matcher.get_error()}")
+    def accept(self, token_id: int) -> bool:
+        """Advance by one emitted token. False when the matcher is in an error state (a parser limit hit
+        mid-document leaves it one, with an empty mask): the engine ends that request alone."""
+        ok = self.matcher.consume_token(token_id)
         self.num_consumed += 1
         self._allowed = None
+        return ok
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Make the matcher's state that of exactly these output tokens (a no-op when it already is).
@@ -136,7 +144,8 @@ class GrammarState:
         self.num_consumed = 0
         self._allowed = None
         for t in output_token_ids:
-            self.accept(t)
+            if not self.accept(t):
+                break
 
     @property
     def is_complete(self) -> bool:

@@ -57,6 +57,8 @@ def check_schema(schema: Any, param: str, where: str) -> dict | bool:
     except jsonschema.SchemaError as e:
         at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
         raise UnsupportedValue(param, f"{where}{at} is not a valid JSON schema: {e.message}") from None
+    except RecursionError:
+        raise UnsupportedValue(param, f"{where} is nested too deeply") from None
     return schema
 
 
