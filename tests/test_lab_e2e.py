@@ -30,7 +30,7 @@ def server():
 def _bench(server, out, salt, seed="0", label="a"):
     return main(["bench", "--url", server.url, "--model", "demo", "--workload", "mixed", "--requests", "10",
                  "--rate", "5", "--seed", seed, "--scale", "0.1", "--max-prompt-tokens", "1000",
-                 "--max-output-tokens", "12", "--ignore-eos", "--tokenizer", "demo", "--salt", salt,
+                 "--max-output-tokens", "40", "--ignore-eos", "--tokenizer", "demo", "--salt", salt,
                  "--label", label, "--out", str(out), "--no-progress"])
 
 
@@ -59,10 +59,22 @@ def test_results_follow_the_schema(runs):
 def test_client_and_server_ttft_agree(runs):
     doc = json.loads((runs / "a" / "results.json").read_text())
     for r in doc["requests"]:
-        assert r["server_ttft_s"] is not None and r["output_tokens"] == 12
+        assert r["server_ttft_s"] is not None
+        if r["lane"] in ("chat", "rag"):  # unconstrained, ignore_eos: exactly the cap
+            assert r["output_tokens"] == 40
         assert r["server_ttft_s"] <= r["ttft_s"] + TTFT_SLACK_S
         assert r["ttft_s"] - r["server_ttft_s"] <= max(TTFT_OVERHEAD_S, 0.5 * r["ttft_s"])
         assert len(r["itl_s"]) == r["output_tokens"] - 1
+
+
+def test_structured_lanes_pass_their_gates(runs):
+    """agent and nightly send their gate's schema as response_format: the server's constrained answers must
+    pass the lab's json_schema gate (each answer fits its max_tokens here)."""
+    doc = json.loads((runs / "a" / "results.json").read_text())
+    constrained = [r for r in doc["requests"] if r["lane"] in ("agent", "nightly")]
+    assert constrained and all(r["gate_passed"] for r in constrained if r["output_tokens"] < 40)
+    assert any(r["gate_passed"] for r in constrained)
+    assert not any(r["gate_passed"] for r in doc["requests"] if r["lane"] == "rag")  # random weights cite nothing
 
 
 def test_agent_lane_hits_the_prefix_cache(runs):
