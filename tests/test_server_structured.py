@@ -171,3 +171,27 @@ def test_bad_schemas_and_tools_are_400(server, body, param, words):
     assert error["param"] == param and words in error["message"], error
     ok = httpx.post(f"{server.url}/completions", json={"model": "demo", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_auto_tool_grammar_admits_a_valid_call_or_text_and_nothing_else():
+    """A random-weight model seldom starts with "{", so the call branch of "auto" is checked on the grammar."""
+    from twospeed.engine.structured import GrammarCompiler
+    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.model.tokenizer import Tokenizer
+    from twospeed.server.protocol import ChatCompletionRequest
+
+    tok = Tokenizer.from_pretrained(demo_checkpoint_path())
+    compiler = GrammarCompiler(tok.backend.to_str(), tok.vocab_size, tok.eos_token_ids)
+    body = ChatCompletionRequest(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="auto")
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.new_state(body.structured_output()).matcher
+        ids = tok.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    call = '{"name":"get_time","arguments":{"tz":"UTC"}}'
+    assert accepts(call) and body.parse_tool_call(call) == {"name": "get_time", "arguments": {"tz": "UTC"}}
+    assert accepts("Sunny, 20 degrees.") and body.parse_tool_call("Sunny, 20 degrees.") is None
+    assert not accepts('{"name":"get_time","arguments":{"tz":"EST"}}')  # not in the enum
+    assert not accepts('{"name":"get_weather","arguments":{"city":"Paris"}}')  # "unit" is required
+    assert not accepts('{"answer":1}')  # text may not start with "{" unless it is a call
