@@ -104,6 +104,7 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
     prepack_weights: bool = True  # CPU bf16: reorder linear weights once for oneDNN (model/packed_linear.py)
+    attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -73,7 +73,8 @@ class ModelRunner:
                 start=lo, num_tokens=hi - lo,
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]],
                                           dtype=torch.int64, device=dev),
-                mask=decode_mask([c.start + 1 for c in ordered[lo:hi]], width * bs, self.sliding_window, dev)))
+                mask=decode_mask([c.start + 1 for c in ordered[lo:hi]], width * bs, self.sliding_window, dev),
+                seq_lens=torch.tensor([c.start + 1 for c in ordered[lo:hi]], dtype=torch.int64, device=dev)))
         offset = d
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens

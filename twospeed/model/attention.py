@@ -43,6 +43,7 @@ class DecodeGroup:
     num_tokens: int
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+    seq_lens: torch.Tensor  # [n] int64: context length of each (its query sits at position len - 1)
 
 
 @dataclass(slots=True)
@@ -88,10 +89,19 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: [T, H, hd]; k, v: [T, KVH, hd]; k_cache, v_cache: [N, bs, KVH, hd]
-        num_blocks, block_size = k_cache.shape[:2]
+        self.write_cache(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        self.decode(q, k_cache, v_cache, meta, out)
+        self.prefill(q, k, v, k_cache, v_cache, meta, out)
+        return out
+
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> None:
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               out: torch.Tensor) -> None:
         g = self.num_heads // self.num_kv_heads
         for group in meta.decodes:
             s, n = group.start, group.num_tokens
@@ -105,6 +115,9 @@ class TorchPagedAttention:
             qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
             out[s:s + n] = od.reshape(n, self.num_heads, self.head_dim)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         for span in meta.prefills:
             s, e = span.start, span.start + span.num_tokens
             if span.context_len == span.num_tokens:
@@ -117,4 +130,3 @@ class TorchPagedAttention:
                 q[s:e].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],
                 attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=self.gqa)
             out[s:e] = op[0].transpose(0, 1)
-        return out

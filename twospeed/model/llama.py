@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from twospeed.config import ModelConfig
-from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
+from twospeed.model.attention import AttentionMetadata
+from twospeed.model.cpu_attention import make_attention
 from twospeed.model.packed_linear import pack_weight, packed_linear, prepack_linears
 
 
@@ -82,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -90,7 +91,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        # built under load_model's default device and dtype, which pick the backend
+        self.attn = make_attention(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype())
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -121,10 +124,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attention_backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -140,13 +143,13 @@ class LlamaForCausalLM(nn.Module):
     STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, attention_backend: str = "auto"):
         super().__init__()
         self.cfg = cfg
         dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits_packed: torch.Tensor | None = None  # set by prepack()

@@ -153,17 +153,19 @@ def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None, prepack: bool = True) -> LlamaForCausalLM:
+               max_positions: int | None = None, prepack: bool = True,
+               attention_backend: str = "auto") -> LlamaForCausalLM:
     """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights.
 
-    prepack: on a CPU with oneDNN bf16 kernels, reorder bf16 linear weights once (model/packed_linear.py)."""
+    prepack: on a CPU with oneDNN bf16 kernels, reorder bf16 linear weights once (model/packed_linear.py).
+    attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu"."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = LlamaForCausalLM(cfg, max_positions, attention_backend)
     finally:
         torch.set_default_dtype(prev)
     model.requires_grad_(False)
