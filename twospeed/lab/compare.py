@@ -1,6 +1,6 @@
 """`twospeed compare RUN_A RUN_B [...]`: one workload against several configurations, lane by lane.
 
-Each later run is set against the first (the baseline): TTFT and ITL (p50, p99), gate pass rate, SLO
+Each later run is set against the first (the baseline): TTFT and ITL (p50, p99; ITL max), gate pass rate, SLO
 attainment, goodput and the bill, with the difference and whether it is beyond the noise: the 95% bootstrap
 intervals of the two percentiles (or Wilson intervals of the two rates) do not overlap. Token counts are
 exact, so they have no noise column. Runs of different workloads or seeds are refused unless forced.
@@ -18,6 +18,7 @@ ROWS = (
     ("TTFT p99", ("stats", "ttft", "p99"), ("stats", "ttft", "p99_ci"), 1e3, "ms", True),
     ("ITL p50", ("stats", "itl", "p50"), ("stats", "itl", "p50_ci"), 1e3, "ms", True),
     ("ITL p99", ("stats", "itl", "p99"), ("stats", "itl", "p99_ci"), 1e3, "ms", True),
+    ("ITL max", ("stats", "itl", "max"), None, 1e3, "ms", True),  # one long prefill's stall shows here first
     ("queue p99", ("stats", "queue", "p99"), ("stats", "queue", "p99_ci"), 1e3, "ms", True),
     ("gate pass", ("gate", "rate"), ("gate", "rate_ci"), 100, "%", False),
     ("SLO attainment", ("slo", "attainment"), ("slo", "attainment_ci"), 100, "%", False),
@@ -110,7 +111,7 @@ def print_comparison(docs: list[dict], console) -> None:
                 better = (c.diff < 0) == lower
                 mark = "" if c.significant is None else (" (noise)" if not c.significant else
                                                          (" [green]better[/]" if better else " [red]worse[/]"))
-                row.append(f"{'+' if c.diff >= 0 else ''}{_fmt(c.diff, unit)}{mark}")
+                row.append(f"{'+' if c.diff >= 0 else '-'}{_fmt(abs(c.diff), unit)}{mark}")
             table.add_row(*row)
         console.print(table)
     console.print("diff: run - base; 'better'/'worse' where the 95% intervals do not overlap, '(noise)' where they do.")

@@ -66,8 +66,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     itl_p99 = _pct(t.itl, 99) if ok else None
     missed = judge_slo(lane.slo, t.ttft if ok else None, itl_p99, t.ttlt if ok else None) if ok else ["error"]
     good = ok and gate.passed and not missed
-    b = billing.request_bill(resp.usage, resp.server, counter.count(resp.planned.prompt), t.output_tokens if t else 0,
-                             good)
+    counted = 0 if resp.usage or resp.server else counter.count(resp.planned.prompt)  # only when the server is silent
+    b = billing.request_bill(resp.usage, resp.server, counted, t.output_tokens if t else 0, good)
     clock = (resp.server or {}).get("clock") or {}
     slo = (resp.server or {}).get("slo") or {}
     return {
