@@ -20,6 +20,7 @@ checks that on sample text before it writes anything.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -88,10 +89,10 @@ def corpus(cfg: CheckpointConfig) -> list[str]:
     beyond ASCII (so the byte-fallback pieces are real)."""
     rng = random.Random(cfg.seed)
     lexicon = COMMON + pseudo_words(rng, 60_000)
-    weights = [1.0 / (rank + 10) for rank in range(len(lexicon))]
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 10) for rank in range(len(lexicon))))
     lines = []
     for i in range(cfg.corpus_lines):
-        words = rng.choices(lexicon, weights, k=rng.randint(6, 30))
+        words = rng.choices(lexicon, cum_weights=cum_weights, k=rng.randint(6, 30))
         if rng.random() < 0.3:
             words[0] = words[0].capitalize()
         text = " ".join(w + (rng.choice(PUNCT) if rng.random() < 0.12 else "") for w in words)
@@ -130,8 +131,16 @@ def write_tokenizer_files(folder: Path) -> None:
     import sentencepiece as spm
     from transformers import LlamaTokenizer
 
-    tok = LlamaTokenizer(vocab_file=str(folder / "tokenizer.model"), legacy=True, add_bos_token=True,
-                         add_eos_token=False)
+    from tokenizers import decoders, normalizers
+
+    tok = LlamaTokenizer.from_pretrained(folder, add_bos_token=True, add_eos_token=False, legacy=True)
+    # sentencepiece's add_dummy_prefix prepends "▁" to every text; tokenizers' Metaspace skips it when the
+    # text already starts with a space. Llama 2's own tokenizer.json prepends in the normalizer instead, as here.
+    backend = tok.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = None
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(folder)
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
@@ -198,12 +207,13 @@ def build(cfg: CheckpointConfig, force: bool = False) -> dict[str, Path]:
     if force or not all((p / "tokenizer.json").is_file() and (p / "model.safetensors").is_file()
                         for p in paths.values()):
         t0 = time.monotonic()
-        with tempfile.TemporaryDirectory() as tmp:
-            tok_dir = Path(tmp)
+        tok_dir = cfg.out / f"{cfg.name}-tokenizer"
+        if force or not (tok_dir / "tokenizer.model").is_file():
+            tok_dir.mkdir(parents=True, exist_ok=True)
             train_tokenizer(cfg, tok_dir)
             print(f"tokenizer trained in {time.monotonic() - t0:.0f} s")
-            write_tokenizer_files(tok_dir)
-            paths = write_models(cfg, tok_dir)
+        write_tokenizer_files(tok_dir)
+        paths = write_models(cfg, tok_dir)
         print(f"HF folders written: {', '.join(str(p) for p in paths.values())}")
     for label, gguf in ggufs.items():
         if force or not gguf.is_file():
@@ -214,7 +224,7 @@ def build(cfg: CheckpointConfig, force: bool = False) -> dict[str, Path]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=CheckpointConfig.out, help="folder for the models")
+    ap.add_argument("--out", type=Path, default=WORK / "models", help="folder for the models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even if the files exist")
     args = ap.parse_args()

@@ -67,8 +67,8 @@ class RunConfig:
     conc_prompt: int = 256
     conc_new: int = 128
     conc_waves: int = 2
-    mixed_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # requests/s over all lanes
-    mixed_requests: int = 60
+    mixed_rates: tuple[float, ...] = (0.5, 1.0, 2.0)  # requests/s over all lanes (the workload's own: 2.0)
+    mixed_requests: int = 40
     agent_requests: int = 20
     agent_rate: float = 0.5
     lab_scale: float = 0.5  # the mixed workload's rag prompts (4-8k tokens) must fit the 4096-token model
@@ -187,10 +187,11 @@ def lab_run(server: Server, cfg: RunConfig, workload: str, requests: int, rate: 
             tokenizer_dir: Path) -> dict:
     """One `twospeed bench` run; returns its results.json (or {'error': ...})."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(TWOSPEED), "bench", "--url", server.url, "--model", server.model, "--workload", workload,
+    cmd = [str(TWOSPEED), "bench", "--url", server.url + "/v1", "--model", server.model, "--workload", workload,
            "--requests", str(requests), "--rate", str(rate), "--seed", str(cfg.seed), "--out", str(out_dir),
            "--tokenizer", str(tokenizer_dir), "--scale", str(cfg.lab_scale),
-           "--max-prompt-tokens", str(cfg.lab_max_prompt_tokens)]
+           "--max-prompt-tokens", str(cfg.lab_max_prompt_tokens), "--ignore-eos", "--no-progress",
+           "--label", f"{server.engine}-{server.dtype}", "--timeout", "300"]
     with open(out_dir / "bench.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     results = out_dir / "results.json"
