@@ -52,6 +52,10 @@ def test_bad_workloads_fail_clearly(tmp_path):
         parse_workload({"lanes": [{"name": "a", "kind": "chat"}, {"name": "a", "kind": "rag"}]})
     with pytest.raises(ValueError, match="arrival process"):
         parse_workload({"lanes": [{"name": "a", "kind": "chat", "arrival": {"process": "burst"}}]})
+    typo = tmp_path / "w.yaml"
+    typo.write_text("lanes:\n  - name: a\n    kind: chat\n    arrival: {proces: poisson}\n")
+    with pytest.raises(ValueError, match="w.yaml.*proces"):
+        load_workload(str(typo))
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"t": 0.5, "prompt": "b"}\n{"t": 0.0, "prompt": "a", "lane": "x", "max_tokens": 3}\n')
     w = load_workload(str(trace))

@@ -241,5 +241,5 @@ def load_workload(spec: str) -> Workload:
         return load_trace(path)
     try:
         return parse_workload(yaml.safe_load(path.read_text()))
-    except (yaml.YAMLError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from None
+    except (yaml.YAMLError, TypeError, KeyError, AttributeError) as e:  # a missing or misspelt field
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from None
