@@ -100,3 +100,22 @@ def test_compare_two_runs(runs, capsys):
     assert main(["compare", str(runs / "a"), str(runs / "c")]) == 2
     assert "different seeds" in capsys.readouterr().err
     assert main(["compare", str(runs / "a"), str(runs / "c"), "--force"]) == 0
+
+
+def test_closed_loop_and_trace_replay(server, tmp_path):
+    from twospeed.lab.bench import BenchConfig, run_bench
+
+    common = dict(url=server.url, model="demo", seed=0, tokenizer="demo", max_output_tokens=6, ignore_eos=True,
+                  progress=False)
+    doc = run_bench(BenchConfig(workload="chat", requests=4, concurrency=2, **common))
+    assert doc["total"]["requests"] == 4 and doc["total"]["errors"] == 0
+    assert all(r["intended_s"] is None and r["lag_s"] is None for r in doc["requests"])
+    assert doc["run"]["mode"]["concurrency"] == 2
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"t": t, "prompt": f"hello {i}", "max_tokens": 4, "lane": lane}) + "\n"
+                             for i, (t, lane) in enumerate([(0.0, "x"), (0.2, "y"), (0.4, "x")])))
+    doc = run_bench(BenchConfig(workload=str(trace), requests=3, out=str(tmp_path / "out"), **common))
+    results.validate(doc)
+    assert [r["intended_s"] for r in doc["requests"]] == [0.0, 0.2, 0.4]
+    assert all(r["sent_s"] >= r["intended_s"] for r in doc["requests"])
+    assert doc["lanes"]["x"]["requests"] == 2 and doc["lanes"]["y"]["requests"] == 1
