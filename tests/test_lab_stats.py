@@ -60,7 +60,8 @@ def test_bill_sources_and_money():
     assert bill.request_bill(usage, server, 90, 9, True)["cached_tokens"] == 64  # the server's own bill wins
     b = bill.request_bill(usage, None, 90, 9, False)
     assert b == {"prompt_tokens": 100, "cached_tokens": 32, "prefilled_tokens": 68, "output_tokens": 10,
-                 "goodput_tokens": 0}
+                 "goodput_tokens": 0, "forced_tokens": 0}
+    assert bill.request_bill(None, {"bill": {**server["bill"], "forced_tokens": 4}}, 0, 0, True)["forced_tokens"] == 4
     assert bill.request_bill(None, None, 90, 9, True)["goodput_tokens"] == 9
     m = bill.money({"prefilled_tokens": 1_000_000, "cached_tokens": 2_000_000, "output_tokens": 500_000},
                    Price(3.0, 0.3, 15.0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from twospeed.lab.workload import Price
 
-FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens")
+FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens")
 
 
 def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: int, client_output_tokens: int,
@@ -24,8 +24,11 @@ def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: 
         out = usage.get("completion_tokens", client_output_tokens)
     else:
         prompt, cached, out = client_prompt_tokens, 0, client_output_tokens
+    # forced: output tokens a grammar forced without a decode step of their own (twospeed's jump-forward);
+    # they arrive with the token before them, at ITL 0
+    forced = (sb or {}).get("forced_tokens", 0)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached,
-            "output_tokens": out, "goodput_tokens": out if good else 0}
+            "output_tokens": out, "goodput_tokens": out if good else 0, "forced_tokens": forced}
 
 
 def money(bill: dict, price: Price) -> dict:

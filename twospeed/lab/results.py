@@ -22,7 +22,7 @@ from twospeed.lab.workload import SLO, Workload
 SCHEMA_VERSION = 1
 METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
 CSV_FIELDS = ("index", "lane", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens", "cached_tokens",
-              "prefilled_tokens", "output_tokens", "goodput_tokens", "cost_usd", "ttft_s", "ttlt_s", "tpot_s",
+              "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
               "token_source", "server_queue_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
               "server_slo_met", "finish_reason", "gate_passed", "gate_reason", "slo_met", "slo_missed", "good")
