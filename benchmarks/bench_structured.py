@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = [f"### Structured output: tool calls with and without jump-forward "
              f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"`.venv/bin/python benchmarks/bench_structured.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"`.venv/bin/python benchmarks/bench_structured.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"demo model, {args.dtype}, device {args.device} "
                  f"({torch.cuda.get_device_name() if args.device.startswith('cuda') else platform.processor() or platform.machine()}), "
                  f"torch threads {args.threads}, {args.calls} greedy calls, tool_choice required over 2 tools; "
