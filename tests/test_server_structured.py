@@ -139,7 +139,8 @@ def test_tool_choice_auto_gives_text_or_a_valid_call_and_none_gives_text(client)
         msg = choice.message
         if msg.tool_calls:
             assert choice.finish_reason == "tool_calls" and msg.content is None
-            jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), PARAMS[msg.tool_calls[0].function.name])
+            fn = msg.tool_calls[0].function
+            jsonschema.validate(json.loads(fn.arguments), PARAMS[fn.name])
         else:
             assert choice.finish_reason in ("stop", "length") and not msg.content.startswith("{")
     r = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="none",

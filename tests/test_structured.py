@@ -200,3 +200,10 @@ def test_a_grammar_failure_ends_only_that_request(llm):
         engine.step()
     assert broken.finish_reason == "abort" and broken.stop_reason.startswith("structured output failed")
     assert healthy.finish_reason == "stop" and engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_structured_output_needs_a_tokenizer():
+    bare = LLM("demo", skip_tokenizer_init=True, num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        bare.generate([1, 2, 3], SamplingParams(structured=NESTED))
+    assert not bare.engine.has_unfinished_requests()

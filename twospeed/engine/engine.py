@@ -137,7 +137,8 @@ class LLMEngine:
         """The engine's GrammarCompiler (llguidance tokenizer + compiled-grammar cache), made on first use."""
         if self._grammars is None:
             if self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer (the engine was started with skip_tokenizer_init)")
+                raise ValueError("structured output needs a tokenizer "
+                                 "(the engine was started with skip_tokenizer_init)")
             from twospeed.engine.structured import GrammarCompiler
             self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
                                              self.eos_token_ids)

@@ -37,7 +37,8 @@ class StructuredOutput:
             raise ValueError("structured output needs exactly one of json, json_object, regex, choice, grammar; "
                              f"got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError(f"structured output: a JSON schema is an object or a boolean, got {type(self.json).__name__}")
+            raise ValueError("structured output: a JSON schema is an object or a boolean, "
+                             f"got {type(self.json).__name__}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):

@@ -273,7 +273,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
             message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
             call = body.parse_tool_call(out.text) if out.finish_reason == "stop" else None
             if call is not None:
-                message, finish = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}, "tool_calls"
+                message = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}
+                finish = "tool_calls"
             choice = {"index": f.index, "message": message,
                       "logprobs": (chat_logprobs(state.token_text, out.logprobs or [], top_n)
                                    if top_n is not None else None),

@@ -129,7 +129,8 @@ class _SamplingRequest(_Model):
             raise UnsupportedValue("stop", "stop strings must be non-empty")
 
     def response_format_output(self) -> StructuredOutput | None:
-        """response_format as a StructuredOutput: None for text, any object for json_object, the schema for json_schema."""
+        """response_format as a StructuredOutput: None for text, any object for json_object, the schema
+        for json_schema."""
         rf = self.response_format
         if rf is None or rf.get("type") == "text":
             return None
