@@ -112,6 +112,9 @@ def test_stop_on_complete_ends_at_the_shortest_document(llm):
     jsonschema.validate(json.loads(out.text), schema)
     assert len(out.token_ids) <= shortest + 3  # a few tokens at most: a longer boolean, one digit
     assert out.bill.output_tokens == len(out.token_ids) and 0 < out.bill.forced_tokens < out.bill.output_tokens
+    # It stopped on the grammar, not on an EOS it had to spend one more forward pass to sample.
+    assert not set(out.token_ids) & llm.engine.eos_token_ids
+    assert out.clock.decode_steps == len(out.token_ids) - 1 - out.bill.forced_tokens
 
 
 def test_jump_forward_same_tokens_fewer_forward_passes(llm):
