@@ -84,7 +84,12 @@ class GrammarCompiler:
             self.hits += 1
             return proto.deep_copy()
         self.misses += 1
-        grammar = self.grammar_text(spec)
+        try:
+            grammar = self.grammar_text(spec)
+        except ValueError:
+            raise
+        except Exception as e:  # whatever else the schema or grammar text makes the library raise
+            raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {e}") from None
         try:
             proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         except Exception as e:  # llguidance raises for some malformed grammars instead of an error state
