@@ -210,3 +210,18 @@ def test_structured_output_needs_a_tokenizer():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bare.generate([1, 2, 3], SamplingParams(structured=NESTED))
     assert not bare.engine.has_unfinished_requests()
+
+
+def test_grammar_state_replays_tokens_into_a_fresh_matcher(llm):
+    grammars = llm.engine.grammars
+    spec = StructuredOutput(json=NESTED)
+    ref = grammars.new_state(spec)
+    out = llm.generate("z", SamplingParams(max_tokens=64, temperature=0, structured=spec))[0]
+    for t in out.token_ids[:7]:
+        assert ref.allowed()[t]
+        ref.accept(t)
+    state = grammars.new_state(spec)
+    state.sync(out.token_ids[:7])
+    assert state.num_consumed == 7 and (state.allowed() == ref.allowed()).all()
+    state.sync(out.token_ids[:3])  # fewer tokens (as if some were taken back): replayed from the start
+    assert state.num_consumed == 3 and not (state.allowed() == ref.allowed()).all()

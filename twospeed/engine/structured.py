@@ -7,8 +7,8 @@ request's StructuredOutput. Outputs: a GrammarState per constrained request, who
 is a bool mask over the vocabulary for the next token.
 
 Why llguidance (not xgrammar): a small self-contained wheel (no triton), masks computed on the
-CPU lazily per step in well under a millisecond for an 8k vocabulary, and the widest JSON
-Schema coverage (see README "Structured output").
+CPU lazily per step in well under a millisecond for an 8k vocabulary, and broad JSON Schema
+coverage (see README "Structured output").
 
 Jump-forward is exact: a token is appended without a forward pass of its own only when the
 grammar's mask allows that one token and nothing else (not EOS either), so any sampler, greedy
@@ -139,7 +139,8 @@ class GrammarState:
         return self.matcher.get_error()
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
-        """Make the matcher's state that of exactly these output tokens (a no-op when it already is).
+        """Make the matcher's state that of these output tokens: replay them into a reset matcher when
+        their count differs from what it consumed (a no-op otherwise).
 
         The engine preempts by recompute and keeps the tokens, so this only replays when some
         caller changed the tokens behind the matcher's back."""
