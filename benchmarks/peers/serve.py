@@ -98,7 +98,7 @@ def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTING
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     s = settings
     name = f"llama100m-{dtype}"
-    env = {"OMP_NUM_THREADS": str(s.threads)}
+    env = {} if engine == "vllm" else {"OMP_NUM_THREADS": str(s.threads)}  # vLLM binds its own OMP threads
     if engine == "twospeed":
         folder = model_dir(dtype)
         cmd = [str(ROOT / ".venv/bin/twospeed"), "serve", "--model", str(folder), "--served-model-name", name,
