@@ -96,3 +96,10 @@ def test_without_a_compiler_auto_falls_back_to_the_portable_path(monkeypatch, tm
         assert type(make_attention("auto", 8, 2, 64, None, "cpu", torch.float32)) is TorchPagedAttention
     finally:
         load_kernel.cache_clear()
+
+
+def test_loading_the_kernel_keeps_subnormals():
+    """Built with -ffast-math, the library would switch the whole process to flush-to-zero at load time."""
+    assert load_kernel() is not None
+    tiny = 5e-324
+    assert tiny * 1.0 > 0.0 and torch.tensor([1e-40]).mul(1.0).item() > 0.0

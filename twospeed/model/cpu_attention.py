@@ -26,7 +26,10 @@ from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Not -ffast-math: linking with it sets flush-to-zero for the whole process (crtfastmath). Reassociation
+# alone lets the dot products vectorize; infinities stay (the online softmax starts from -inf).
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+         "-fopenmp", "-shared", "-fPIC"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
