@@ -43,6 +43,21 @@ def test_lab_summary_goodput_and_all_met():
     assert run_peers.lab_summary({"error": "boom"}) == {"error": "boom"}
 
 
+def test_warm_ttft_uses_cache_hits_else_all_but_the_first():
+    reqs = [{"index": i, "error": None, "ttft_s": t, "cached_tokens": c}
+            for i, (t, c) in enumerate([(1.0, 0), (0.2, 900), (0.3, 900), (0.9, 0)])]
+    results = {"run": {"wall_s": 1.0}, "lanes": {}, "total": {"errors": 0},
+               "client": {"late_requests": 0, "fell_behind": False}, "requests": reqs}
+    s = run_peers.lab_summary(results)
+    assert (s["warm_n"], s["warm_ttft_p50_s"], s["warm_ttft_p99_s"]) == (2, 0.2, 0.3)
+    for r in reqs:
+        r["cached_tokens"] = None  # a server that reports no cache hits
+    s = run_peers.lab_summary(results)
+    assert s["warm_basis"] == "all but the first request" and s["warm_n"] == 3 and s["warm_ttft_p99_s"] == 0.9
+    assert run_peers.percentile([], 50) is None
+    assert run_peers.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
+
+
 def test_commands_bind_loopback_and_reject_bad_input(monkeypatch):
     monkeypatch.setattr(Path, "exists", lambda self: True)
     for engine in serve.ENGINES:
