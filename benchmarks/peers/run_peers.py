@@ -69,8 +69,8 @@ class RunConfig:
     conc_new: int = 128
     conc_waves: int = 2
     mixed_rates: tuple[float, ...] = (0.5, 1.0, 2.0)  # requests/s over all lanes (the workload's own: 2.0)
-    mixed_requests: int = 40
-    agent_requests: int = 20
+    mixed_requests: int = 32
+    agent_requests: int = 16
     agent_rate: float = 0.5
     lab_scale: float = 0.5  # the mixed workload's rag prompts (4-8k tokens) must fit the 4096-token model
     lab_max_prompt_tokens: int = 3600
@@ -447,7 +447,7 @@ def main() -> int:
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "python benchmarks/peers/run_peers.py " + " ".join(sys.argv[1:]),
             "wall_min": (time.monotonic() - t0) / 60, "machine": machine(), "versions": versions()}
-    text = markdown(cfg, results, meta)
+    text = markdown(cfg, results, meta).replace(str(ROOT) + "/", "")  # paths relative to the repository
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "config": asdict(cfg), "results": results}, indent=1,

@@ -49,7 +49,7 @@ class Settings:
     twospeed_args: list[str] = field(default_factory=list)
     # vLLM CPU: both cores (no core reserved for the frontend), its libiomp5 preloaded (~25% faster here)
     vllm_args: list[str] = field(default_factory=list)
-    # llama.cpp: slots = max_num_seqs, each with max_model_len of context, in one shared (unified) cache
+    # llama.cpp: slots = max_num_seqs sharing one (unified) cache of max_num_seqs * max_model_len / 2 tokens
     llama_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 300.0  # vLLM's first start compiles; 20-60 s warm, minutes cold on a busy box
     stop_grace_s: float = 20.0
@@ -124,6 +124,9 @@ def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTING
         cmd = [str(WORK / "llama-build/bin/llama-server"), "-m", str(gguf), "--alias", name,
                "--host", "127.0.0.1", "--port", str(port), "-t", str(s.threads), "-tb", str(s.threads),
                "-np", str(slots), "-c", str(slots * s.max_model_len // 2), "--kv-unified", "--jinja",
+               # 512-token steps (its default logical batch is 2048), as twospeed's budget: decodes wait for at
+               # most one 512-token prefill chunk instead of four
+               "-b", "512", "-ub", "512",
                "--no-webui", "--seed", "0", *s.llama_args]
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
