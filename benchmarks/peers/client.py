@@ -1,8 +1,8 @@
 """A small streaming client for /v1/completions that times each request the same way on every engine.
 
 One request: POST with stream=true, greedy, EOS ignored, a fixed max_tokens. TTFT is from just before the
-request is sent to the first streamed chunk that carries text; decode rate is (output tokens - 1) / (last
-text chunk - first text chunk). Output tokens come from the final usage chunk (stream_options.include_usage)
+request is sent to the first streamed chunk that carries a token (text, or an unfinished choice whose text is
+held back as incomplete UTF-8); decode rate is (output tokens - 1) / (last token chunk - first token chunk). Output tokens come from the final usage chunk (stream_options.include_usage)
 where the engine sends one, else from max_tokens (EOS is ignored, so every request runs to it).
 Prompts are text: each engine tokenizes them itself, as a user's request would have it.
 """
@@ -31,7 +31,7 @@ class Timing:
     ttft_s: float
     total_s: float
     output_tokens: int
-    decode_s: float  # first text chunk to last text chunk
+    decode_s: float  # first token chunk to last token chunk
 
     @property
     def decode_tok_s(self) -> float:
@@ -85,14 +85,16 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Timing:
                 break
             chunk = json.loads(data)
             now = time.perf_counter()
-            if any(c.get("text") for c in chunk.get("choices") or []):
+            # a token event: text, or a choice still running with no text yet (vLLM streams one chunk a token,
+            # with text "" while the bytes so far are not valid UTF-8: a random model's byte tokens do that)
+            if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or []):
                 first = first if first is not None else now
                 last = now
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
     end = time.perf_counter()
     if first is None:
-        raise RuntimeError(f"{url}: the stream carried no text")
+        raise RuntimeError(f"{url}: the stream carried no token")
     return Timing(ttft_s=first - t0, total_s=end - t0, output_tokens=usage_tokens or body["max_tokens"],
                   decode_s=last - first)
 

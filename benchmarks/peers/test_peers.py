@@ -81,3 +81,38 @@ def test_prompts_have_the_asked_token_count_and_differ_by_salt():
         p = a.make(n, 0)
         assert n - 1 <= a.count(p) <= n
     assert a.make(64, 0).split(":")[0] != b.make(64, 0).split(":")[0]
+
+
+def _sse(*chunks) -> bytes:
+    import json
+
+    return b"".join(b"data: " + (c if isinstance(c, str) else json.dumps(c)).encode() + b"\n\n" for c in chunks)
+
+
+@pytest.mark.parametrize("first_text", ["", "hi"])
+def test_client_counts_token_chunks_even_without_text(first_text):
+    import asyncio
+
+    import httpx
+
+    from client import stream_one
+
+    body = {"model": "m", "prompt": "p", "max_tokens": 3}
+    stream = _sse({"choices": [{"index": 0, "text": first_text, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": "", "finish_reason": None}]},
+                  {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]},
+                  {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]")
+    async def go(status, content):
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, content=content))
+        async with httpx.AsyncClient(transport=transport) as c:
+            return await stream_one(c, "http://x", body)
+
+    t = asyncio.run(go(200, stream))
+    assert t.output_tokens == 3 and 0 <= t.ttft_s <= t.total_s and t.decode_s >= 0
+    held_back = _sse(*[{"choices": [{"index": 0, "text": "", "finish_reason": None}]}] * 3,
+                     {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, "[DONE]")
+    assert asyncio.run(go(200, held_back)).output_tokens == 3  # every byte token held back: still timed
+    with pytest.raises(RuntimeError, match="no token"):  # only a finish chunk: nothing was generated
+        asyncio.run(go(200, _sse({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, "[DONE]")))
+    with pytest.raises(RuntimeError, match="429"):
+        asyncio.run(go(429, b"busy"))
