@@ -74,6 +74,8 @@ class RunConfig:
     agent_rate: float = 0.5
     lab_scale: float = 0.5  # the mixed workload's rag prompts (4-8k tokens) must fit the 4096-token model
     lab_max_prompt_tokens: int = 3600
+    lab_timeout_s: float = 120.0  # a request still unanswered then is an error (and far past every SLO)
+    saturation_factor: float = 2.0  # a mixed run longer than this x its arrival span stops the rate ladder
 
 
 QUICK = dict(b1_prompt=512, b1_new=32, b1_repeats=1, conc_levels=(8, 32), conc_prompt=64, conc_new=16,
@@ -192,7 +194,7 @@ def lab_run(server: Server, cfg: RunConfig, workload: str, requests: int, rate: 
            "--requests", str(requests), "--rate", str(rate), "--seed", str(cfg.seed), "--out", str(out_dir),
            "--tokenizer", str(tokenizer_dir), "--scale", str(cfg.lab_scale),
            "--max-prompt-tokens", str(cfg.lab_max_prompt_tokens), "--ignore-eos", "--no-progress",
-           "--label", f"{server.engine}-{server.dtype}", "--timeout", "300"]
+           "--label", f"{server.engine}-{server.dtype}", "--timeout", str(cfg.lab_timeout_s)]
     with open(out_dir / "bench.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     results = out_dir / "results.json"
@@ -201,6 +203,12 @@ def lab_run(server: Server, cfg: RunConfig, workload: str, requests: int, rate: 
     data = json.loads(results.read_text())
     data["command"] = cmd
     return data
+
+
+def saturated(summary: dict, arrival_span_s: float, factor: float) -> bool:
+    """The server fell behind: the run took `factor` times its arrivals' span (or failed). A higher rate would
+    only queue longer, so the run skips it (and the full run stays within its time)."""
+    return "error" in summary or summary["wall_s"] > factor * arrival_span_s
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -282,6 +290,9 @@ def measure_engine(engine: str, dtype: str, cfg: RunConfig, lab: bool, scratch: 
                                   scratch / f"{engine}-{dtype}-mixed-{rate}", tokenizer_dir)
                     s = result["mixed"][str(rate)] = lab_summary(raw)
                     print(f"  {engine} {dtype} mixed @ {rate}/s: {json.dumps(s)[:300]}", flush=True)
+                    if saturated(s, cfg.mixed_requests / rate, cfg.saturation_factor):
+                        print(f"  {engine} {dtype} saturated at {rate}/s: higher rates skipped", flush=True)
+                        break
                 raw = lab_run(server, cfg, "agent", cfg.agent_requests, cfg.agent_rate,
                               scratch / f"{engine}-{dtype}-agent", tokenizer_dir)
                 result["agent"] = lab_summary(raw)
@@ -365,6 +376,9 @@ def _lab_tables(cfg: RunConfig, rs: list[dict]) -> list[str]:
         for i, r in enumerate(rs):
             s = r.get("mixed", {}).get(str(rate))
             if s is None:
+                if r.get("mixed"):
+                    lines.append(f"| {r['engine']} | {rate} | " + " | ".join("-" for _ in lanes)
+                                 + " | skipped: saturated at a lower rate | | |")
                 continue
             if "error" in s:
                 lines.append(f"| {r['engine']} | {rate} | " + " | ".join("-" for _ in lanes)

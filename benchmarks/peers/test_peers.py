@@ -116,3 +116,9 @@ def test_client_counts_token_chunks_even_without_text(first_text):
         asyncio.run(go(200, _sse({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, "[DONE]")))
     with pytest.raises(RuntimeError, match="429"):
         asyncio.run(go(429, b"busy"))
+
+
+def test_saturation_stops_the_rate_ladder():
+    assert run_peers.saturated({"wall_s": 50.0}, arrival_span_s=32.0, factor=2.0) is False
+    assert run_peers.saturated({"wall_s": 70.0}, arrival_span_s=32.0, factor=2.0) is True
+    assert run_peers.saturated({"error": "x"}, arrival_span_s=32.0, factor=2.0) is True
