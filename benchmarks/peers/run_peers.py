@@ -34,11 +34,9 @@ import math
 import os
 import platform
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -451,7 +449,9 @@ def main() -> int:
     print(f"engines {engines}, dtypes {dtypes}, lab {'yes' if lab else 'no (twospeed bench not available)'}",
           flush=True)
     t0 = time.monotonic()
-    scratch = Path(tempfile.mkdtemp(prefix="lab-", dir=WORK))
+    # every lab run's results.json / report.html stay here for digging (git-ignored)
+    scratch = WORK / "runs" / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    scratch.mkdir(parents=True, exist_ok=True)
     results = []
     with LoadMonitor() as monitor:
         for dtype in dtypes:
@@ -463,14 +463,15 @@ def main() -> int:
             "wall_min": (time.monotonic() - t0) / 60, "machine": machine(), "versions": versions()}
     text = markdown(cfg, results, meta).replace(str(ROOT) + "/", "")  # paths relative to the repository
     print(text)
+    everything = json.dumps({"meta": meta, "config": asdict(cfg), "results": results}, indent=1, default=str)
+    (scratch / "peers.json").write_text(everything)
+    print(f"lab results and peers.json in {scratch}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "config": asdict(cfg), "results": results}, indent=1,
-                                              default=str))
+        Path(args.json).write_text(everything)
     if out is not None:
         with open(out, "a") as f:
             f.write("\n" + text)
         print(f"appended to {out}")
-    shutil.rmtree(scratch, ignore_errors=True)
     return 0 if all("error" not in r for r in results) else 1
 
 
