@@ -66,8 +66,8 @@ class RunConfig:
     conc_prompt: int = 256
     conc_new: int = 128
     conc_waves: int = 2
-    mixed_rates: tuple[float, ...] = (0.5, 1.0, 2.0)  # requests/s over all lanes (the workload's own: 2.0)
-    mixed_requests: int = 32
+    mixed_rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)  # requests/s over all lanes (the workload's own: 2.0)
+    mixed_requests: int = 24
     agent_requests: int = 16
     agent_rate: float = 0.5
     lab_scale: float = 0.5  # the mixed workload's rag prompts (4-8k tokens) must fit the 4096-token model

@@ -111,7 +111,9 @@ def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTING
         cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", DTYPES[dtype], "--max-model-len", str(s.max_model_len),
-               "--max-num-seqs", str(s.max_num_seqs), "--seed", "0", *s.vllm_args]
+               "--max-num-seqs", str(s.max_num_seqs), "--seed", "0",
+               "--enable-prompt-tokens-details",  # usage reports cached prompt tokens, as twospeed's and llama's do
+               *s.vllm_args]
         env |= {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
