@@ -13,7 +13,7 @@ for latencies the ratio is best / value, so below 1 is slower for every column):
       --repeats requests, one at a time (client.py's streaming client);
   (2) 8 and 32 concurrent requests (closed loop, 2 waves; prompt 256 tokens, 128 output tokens each):
       total output tok/s = output tokens / wall;
-  (3) the lab's `mixed` workload at increasing Poisson rates through `twospeed bench`: per lane TTFT p99,
+  (3) the lab's `mixed` workload at increasing total rates (`--rate`) through `twospeed bench`: per lane TTFT p99,
       ITL p99 and SLO attainment; SLO goodput (requests meeting their lane's SLO per second); the highest
       rate at which every lane meets its SLO. The checkpoint has random weights, so the lab's output gates
       (JSON, citations) fail for every engine alike and its gated goodput is not shown;
