@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cases = [(1, 128), (8, 512), (32, 512), (32, 2048)] if not args.quick else [(1, 32), (4, 64)]
+    cases = [(1, 128), (8, 512), (32, 512), (8, 2048)] if not args.quick else [(1, 32), (4, 64)]
     steps = 5 if args.quick else 16
     rounds = 1 if args.quick else args.rounds
     dtype = getattr(torch, args.dtype)
