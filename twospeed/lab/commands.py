@@ -83,9 +83,10 @@ def run_compare_command(args: argparse.Namespace) -> int:
 
 
 def add_lab_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=16, help="requests per run")
-    p.add_argument("--rate", type=float, default=1.0, help="total requests/s")
-    p.add_argument("--scale", type=float, default=0.25, help="prompt length scale (the demo model holds 4096 tokens)")
+    p.add_argument("--requests", type=int, default=20, help="requests per run")
+    p.add_argument("--rate", type=float, default=1.5, help="total requests/s")
+    # rag prompts of ~2.4-3.6k tokens: long enough that an unchunked prefill stalls the other streams visibly
+    p.add_argument("--scale", type=float, default=0.6, help="prompt length scale (the demo model holds 4096 tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/lab-demo", help="folder for the two runs")
 
