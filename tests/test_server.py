@@ -62,6 +62,11 @@ class ServerProcess:
                 ready.put(m.group(1))
         ready.put(None)
 
+    def stop_clean(self) -> None:
+        """Stop, and check the server exited 0 and logged no traceback (it logs one for any unexpected error)."""
+        assert self.stop() == 0, "".join(self.lines[-50:])
+        assert not any("Traceback" in line for line in self.lines), "".join(self.lines[-80:])
+
     def stop(self, sig=None, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig) if sig else self.proc.terminate()
@@ -121,9 +126,7 @@ def sse_events(lines) -> list:
 def server():
     srv = ServerProcess(*[a for s in SLOS for a in ("--slo", s)], "--max-waiting", "2000")
     yield srv
-    assert srv.stop() == 0, "".join(srv.lines[-50:])
-    # The server logs a traceback for any unexpected error: there must be none.
-    assert not any("Traceback" in line for line in srv.lines), "".join(srv.lines[-80:])
+    srv.stop_clean()
 
 
 @pytest.fixture(scope="module")
