@@ -10,13 +10,14 @@ Prompts are text: each engine tokenizes them itself, as a user's request would h
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from twospeed.lab.client import sse_events
 
 WORDS = ("account order invoice shipment refund customer warehouse carrier delay status region policy update "
          "report ticket priority escalate review approve reject balance payment credit window schedule route "
@@ -77,13 +78,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Timing:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:500]
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in sse_events(resp):
             now = time.perf_counter()
             # a token event: text, or a choice still running with no text yet (vLLM streams one chunk a token,
             # with text "" while the bytes so far are not valid UTF-8: a random model's byte tokens do that)

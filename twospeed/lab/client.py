@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -100,6 +101,17 @@ def _content(choice: dict) -> str:
     return (choice.get("delta") or {}).get("content") or ""
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of an OpenAI-style server-sent-event stream, up to `[DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, planned: Planned, model: str,
                          counter: TokenCounter, run_start: float, ignore_eos: bool = False) -> Response:
     """Send one streamed request and time every chunk; errors are recorded, never raised."""
@@ -115,14 +127,8 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
             if r.status_code != 200:
                 resp.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return resp
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            async for event in sse_events(r):
                 now = time.perf_counter()
-                event = json.loads(data)
                 if "error" in event:
                     err = event["error"]
                     resp.error = str(err.get("message", err) if isinstance(err, dict) else err)
