@@ -67,14 +67,15 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                                  num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1))
         d = meta.num_decode_tokens
-        for lo, hi in decode_groups([c.start + 1 for c in ordered[:d]]):
+        context_lens = [c.start + 1 for c in ordered[:d]]
+        for lo, hi in decode_groups(context_lens):
             width = max(len(t) for t in tables[lo:hi])
             meta.decodes.append(DecodeGroup(
                 start=lo, num_tokens=hi - lo,
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]],
                                           dtype=torch.int64, device=dev),
-                mask=decode_mask([c.start + 1 for c in ordered[lo:hi]], width * bs, self.sliding_window, dev),
-                seq_lens=torch.tensor([c.start + 1 for c in ordered[lo:hi]], dtype=torch.int64, device=dev)))
+                mask=decode_mask(context_lens[lo:hi], width * bs, self.sliding_window, dev),
+                seq_lens=torch.tensor(context_lens[lo:hi], dtype=torch.int64, device=dev)))
         offset = d
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
