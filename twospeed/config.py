@@ -7,10 +7,18 @@ every other module receives only the part it needs.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
+
+def cache_root() -> Path:
+    """Where twospeed keeps what it builds on first use (the demo checkpoint, compiled kernels):
+    $TWOSPEED_CACHE, else ~/.cache/twospeed."""
+    return Path(os.environ.get("TWOSPEED_CACHE") or Path.home() / ".cache" / "twospeed")
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from twospeed.config import cache_root
 from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,6 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TWOSPEED_CACHE") or Path.home() / ".cache" / "twospeed"
-    return Path(root) / "kernels"
-
-
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
     """Build (once per source, compiler and flags) and load the kernel library; None where it cannot be."""
@@ -47,7 +43,7 @@ def load_kernel() -> ctypes.CDLL | None:
         log.warning("no C compiler found: paged attention uses the portable torch path")
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"paged_attention-{key}.so"
+    lib = cache_root() / "kernels" / f"paged_attention-{key}.so"
     try:
         if not lib.exists():
             lib.parent.mkdir(parents=True, exist_ok=True)

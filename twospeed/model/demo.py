@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from twospeed.config import cache_root
+
 # Bump when anything that changes the written files changes (corpus, seeds, template),
 # so an old cache folder is never served as the new checkpoint.
 DEMO_VERSION = "demo-v1"
@@ -237,7 +239,7 @@ def write_demo_checkpoint(path: str | Path) -> Path:
 
 def demo_checkpoint_path() -> Path:
     """The cached demo checkpoint folder ($TWOSPEED_CACHE or ~/.cache/twospeed), built on first use."""
-    root = Path(os.environ.get("TWOSPEED_CACHE") or Path.home() / ".cache" / "twospeed")
+    root = cache_root()
     key = hashlib.sha256((json.dumps(DEMO_CONFIG, sort_keys=True) + DEMO_VERSION).encode()).hexdigest()[:12]
     path = root / f"demo-{key}"
     if not (path / "config.json").is_file():
