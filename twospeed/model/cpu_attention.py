@@ -3,7 +3,7 @@
 Same interface as `TorchPagedAttention`, which stays the portable path and the reference it is tested
 against (tests/test_cpu_attention.py). Decodes go to the C kernel; prefill chunks, compute-bound, keep the
 portable batched SDPA. Decode groups may be padded: the kernel reads only each sequence's own length. The kernel is compiled on first use with the system C compiler (`CC`, else `cc`)
-for this CPU (-march=native) into the twospeed cache folder, keyed by the source and flags; if there is no
+for this CPU (-march=native) into the twospeed cache folder, keyed by the source, flags and CPU; if there is no
 compiler or the build fails, `load_kernel()` returns None and the engine uses the portable path.
 """
 
@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +36,15 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (Linux), else what platform knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
     """Build (once per source, compiler and flags) and load the kernel library; None where it cannot be."""
@@ -42,7 +52,8 @@ def load_kernel() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: paged attention uses the portable torch path")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    # -march=native: a library built on another CPU (a shared cache folder) could hold illegal instructions here
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     lib = cache_root() / "kernels" / f"paged_attention-{key}.so"
     try:
         if not lib.exists():
