@@ -4,6 +4,7 @@ flight, aborts return every KV block, and the engine thread outlives all of it."
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -100,3 +101,36 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
     asyncio.run(main())
     assert ("ok-0", False) in finished and ("long-0", True) in finished and ("doomed-0", True) in finished
     assert idle(engine)
+
+
+def test_a_builder_runs_in_the_engine_thread_and_its_failure_reaches_ready():
+    """The engine is built in the thread that steps it (one OpenMP pool: see async_engine's docstring)."""
+    built_in = []
+
+    def build():
+        built_in.append(threading.current_thread())
+        return LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128))
+
+    def broken():
+        raise ValueError("no such checkpoint")
+
+    async def main():
+        ae = AsyncEngine(build)
+        assert ae.engine is None
+        ae.start()
+        try:
+            engine = await ae.ready()
+            assert built_in == [ae._thread] and ae.engine is engine
+            g = group([5, 6, 7], name="built")
+            await ae.add(g)
+            assert (await finish(g))[-1].output.finished
+        finally:
+            await ae.shutdown()
+        bad = AsyncEngine(broken)
+        bad.start()
+        with pytest.raises(ValueError, match="no such checkpoint"):
+            await bad.ready()
+        bad._thread.join(5)
+        assert not bad.is_alive
+
+    asyncio.run(main())

@@ -141,7 +141,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         server_config.lanes()  # a bad --slo fails here, with its message
         from twospeed.engine.engine import resolve_model_path
-        resolve_model_path(args.model)  # a wrong --model too, before uvicorn starts
+        if args.model != "demo":  # the demo is built (torch, in the main thread) only in the engine thread
+            resolve_model_path(args.model)  # a wrong --model fails here, before uvicorn starts
     except (ValueError, TypeError, OSError) as e:
         print(f"twospeed serve: {e}", file=sys.stderr)
         return 2

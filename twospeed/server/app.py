@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -101,10 +101,11 @@ class ServerState:
     """What the handlers share: the engine wrapper, the tokenizer, metrics, lanes, the draining flag."""
 
     def __init__(self, engine, server_config: ServerConfig, model_name: str):
-        self.engine = engine  # LLMEngine, used read-only outside the engine thread (config, tokenizer)
+        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why)."""
+        self.engine = None  # LLMEngine once started, used read-only outside the engine thread (config, tokenizer)
+        self.tokenizer = None
         self.config = server_config
         self.model_name = model_name
-        self.tokenizer = engine.tokenizer
         self.slos = SLOTable(server_config.lanes())
         self.metrics = ServerMetrics(model_name)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self._on_finish,
@@ -113,6 +114,11 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
         self._decode_one = lru_cache(maxsize=65536)(self._decode_token)
+
+    async def start(self) -> None:
+        self.async_engine.start()
+        self.engine = await self.async_engine.ready()
+        self.tokenizer = self.engine.tokenizer
 
     def _on_finish(self, lane, request, aborted):
         verdict = None if aborted else self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
@@ -136,12 +142,10 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        nonlocal engine
-        if engine is None:
-            from twospeed.engine.engine import LLMEngine
-            engine = LLMEngine(engine_config)
-        state = ServerState(engine, server_config, server_config.served_model_name or engine_config.model)
-        state.async_engine.start()
+        from twospeed.engine.engine import LLMEngine
+        source = engine if engine is not None else partial(LLMEngine, engine_config)
+        state = ServerState(source, server_config, server_config.served_model_name or engine_config.model)
+        await state.start()
         holder["state"] = app.state.twospeed = state
         try:
             yield

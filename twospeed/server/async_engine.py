@@ -7,6 +7,12 @@ step's deltas to the event loop with one call_soon_threadsafe. Between steps the
 drains commands, so an add or an abort waits at most one step; when there is no work it
 sleeps on an event instead of spinning.
 
+Build the engine in that thread (pass a builder, then `await ready()`): torch's OpenMP runtime (libgomp)
+keeps one worker pool per thread that has run a parallel region, and once the pools hold more threads than
+there are cores its workers stop spinning between regions and sleep, so every matmul pays a futex wake-up.
+Loading the model in the main thread and stepping it in another cost 40% of a batch-1 decode step on two
+cores (13 -> 18 ms; BENCHMARKS.md). With the build in the engine thread, that thread is the only pool.
+
 Nothing a request does may kill the thread: add_request's ValueError goes back to the
 handler (a 400); an unexpected exception in a step fails the sequences then in flight
 (each handler gets the error) and the loop goes on.
@@ -91,9 +97,12 @@ FinishHook = Callable[[str, Request, bool], Verdict | None]  # (lane, request, a
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, on_step: Callable | None = None, on_finish: FinishHook | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, on_step: Callable | None = None, on_finish: FinishHook | None = None,
                  on_load: Callable[[dict, dict, float, int], None] | None = None):
-        self.engine = engine
+        # an engine, or a builder that start() runs in the engine thread (see the module docstring)
+        self._build = None if isinstance(engine, LLMEngine) else engine
+        self.engine: LLMEngine | None = engine if self._build is None else None
+        self._ready: asyncio.Future | None = None
         self._on_step = on_step  # (StepStats) -> None, in the engine thread
         self._on_finish = on_finish  # called in the engine thread when a sequence ends
         self._on_load = on_load  # (running by lane, waiting by lane, kv usage, cached blocks)
@@ -112,9 +121,15 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread (it builds the engine first when given a builder; see ready())."""
         self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="twospeed-engine", daemon=True)
         self._thread.start()
+
+    async def ready(self) -> LLMEngine:
+        """The engine, once built in the engine thread; raises what the builder raised."""
+        return await asyncio.shield(self._ready)
 
     @property
     def is_alive(self) -> bool:
@@ -166,12 +181,19 @@ class AsyncEngine:
         if future.done():
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(self.engine if future is self._ready else None)
         else:
             future.set_exception(error)
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            if self._build is not None:
+                self.engine = self._build()
+        except BaseException as e:  # the handler awaiting ready() gets it; nothing to step
+            self._loop.call_soon_threadsafe(self._resolve, self._ready, e)
+            return
+        self._loop.call_soon_threadsafe(self._resolve, self._ready, None)
         while True:
             self._wake.clear()
             changed = self._drain_commands()
