@@ -3,14 +3,14 @@
 Run:  .venv/bin/python benchmarks/bench_fastpath.py [--dtype bfloat16|float32] [--threads 2] [--quick]
           [--out BENCHMARKS.md | --no-write]
 
-Variants (EngineConfig fields): `portable` (prepack_weights=False, attention_backend="torch"), `+prepack`
-(oneDNN-reordered bf16 weights), `+kernel` (the in-place paged decode kernel), `fast` (both; the default
-engine). Each variant's engine is built once; then, round-robin over the variants so that drift of this VM
+Variants (EngineConfig fields): `portable` (linear_backend="torch", attention_backend="torch"), `onednn`
+(oneDNN-reordered bf16 weights and the in-place paged decode kernel: the default engine before the linear
+kernel), `fast` (the C linear kernel and the decode kernel: the default engine). Each variant's engine is built once; then, round-robin over the variants so that drift of this VM
 hits them alike, each measures:
   decode step at batch B and context C (median step time of pure-decode steps: B requests with C-token prompts,
   prefilled first, then stepped), and a 1024-token prefill (one unchunked 1024-token prompt, median over rounds).
-Greedy tokens of every variant are checked identical to `portable`'s on the bf16 runs' first request (the fast
-paths are bit-identical or, for the attention kernel, differ in the float summation order only).
+Greedy tokens of every variant are checked identical to `portable`'s on the bf16 runs' first request (the oneDNN
+packing is bit-identical; the kernels differ in the float summation order only).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from bench_engine import append_report, cpu_model, git_state, write_checkpoint  
 from twospeed import LLM, SamplingParams  # noqa: E402
 
 VARIANTS = {
-    "portable": dict(prepack_weights=False, attention_backend="torch"),
-    "+prepack": dict(prepack_weights=True, attention_backend="torch"),
-    "+kernel": dict(prepack_weights=False, attention_backend="auto"),
-    "fast": dict(prepack_weights=True, attention_backend="auto"),
+    "portable": dict(linear_backend="torch", attention_backend="torch"),
+    "onednn": dict(linear_backend="onednn", attention_backend="auto"),
+    "fast": dict(linear_backend="auto", attention_backend="auto"),
 }
 
 

@@ -1,4 +1,9 @@
-"""The CPU fast path (oneDNN-prepacked bf16 linears) against the portable one (F.linear): bit-identical."""
+"""The CPU linears against the portable one (F.linear) and an exact reference.
+
+oneDNN-prepacked weights: bit-identical to F.linear. The C kernel (csrc/linear_bf16.c): sums in another order,
+so each output must be the exact (float64) value rounded to bf16, give or take one rounding step, which is
+what F.linear itself achieves.
+"""
 
 from __future__ import annotations
 
@@ -12,44 +17,119 @@ from torch import nn
 from conftest import ARCH_CONFIGS, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
-from twospeed.model.packed_linear import PackedLinear, can_prepack
+from twospeed.model.packed_linear import PackedLinear, can_use_onednn, linear_kernel, resolve_linear_backend
 
-pytestmark = pytest.mark.skipif(not can_prepack("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels on this CPU")
+needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
+needs_kernel = pytest.mark.skipif(linear_kernel() is None, reason="no C compiler or no AVX-512 BF16 on this CPU")
+
+SHAPES = [((40, 72), False), ((72, 40), True), ((768, 2048), False), ((13, 301), True), ((14, 301), True),
+          ((64, 130), False)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 300])
-@pytest.mark.parametrize("shape,bias", [((40, 72), False), ((72, 40), True), ((768, 2048), False), ((13, 301), True)])
-def test_packed_linear_matches_f_linear(rows, shape, bias):
-    torch.manual_seed(rows)
+def bf16_linear(shape, bias, rows, seed):
+    torch.manual_seed(seed)
     lin = nn.Linear(*shape, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(rows, shape[0], dtype=torch.bfloat16)
-    expected = F.linear(x, lin.weight, lin.bias)
-    assert torch.equal(PackedLinear(lin)(x), expected)
+    return lin, torch.randn(rows, shape[0], dtype=torch.bfloat16)
 
 
-def test_prepacked_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path):
+def within_one_rounding(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> bool:
+    """|y - exact| <= one bf16 step at |exact|, plus float32 summation error (K terms)."""
+    w = lin.weight.double()
+    exact = x.double() @ w.T + (lin.bias.double() if lin.bias is not None else 0)
+    step = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    fp32_err = (x.double().abs() @ w.abs().T) * x.shape[1] * 2.0 ** -23
+    return bool(((y.double() - exact).abs() <= step + fp32_err).all())
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 300])
+@pytest.mark.parametrize("shape,bias", SHAPES)
+def test_onednn_packing_matches_f_linear(rows, shape, bias):
+    lin, x = bf16_linear(shape, bias, rows, rows)
+    assert torch.equal(PackedLinear.from_linear(lin, "onednn")(x), F.linear(x, lin.weight, lin.bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("shape,bias", SHAPES)
+def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
+    lin, x = bf16_linear(shape, bias, rows, rows)
+    packed = PackedLinear.from_linear(lin, "cpu")
+    assert packed.backend == ("cpu" if shape[0] % 2 == 0 else "onednn")  # odd input width: no k pairs
+    y = packed(x)
+    assert y.shape == (rows, shape[1]) and y.dtype == torch.bfloat16
+    assert within_one_rounding(y, x, lin)
+    assert within_one_rounding(F.linear(x, lin.weight, lin.bias), x, lin)  # the bound F.linear meets too
+    if rows:
+        # rows are independent: each alone gives what it gave in the batch
+        assert torch.equal(packed(x[-1:]), y[-1:])
+        # a strided row view (a slice of a wider tensor) reads the same numbers
+        wide = torch.cat([x, torch.zeros(rows, 6, dtype=x.dtype)], dim=1)[:, :shape[0]]
+        assert torch.equal(packed(wide), y)
+
+
+@needs_kernel
+def test_kernel_catches_a_wrong_weight():
+    """The reference check is not vacuous: one changed weight moves outputs by more than a rounding."""
+    lin, x = bf16_linear((64, 130), False, 9, 0)
+    packed = PackedLinear.from_linear(lin, "cpu")
+    lin.weight[77, 3] += 1.0
+    assert not within_one_rounding(packed(x), x, lin)
+
+
+def test_backend_names_are_checked():
+    assert resolve_linear_backend("auto", "cpu", torch.float32) == "torch"  # fp32 keeps the portable path
+    assert resolve_linear_backend("torch", "cpu", torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="linear_backend must be"):
+        resolve_linear_backend("mkl", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_backend 'cpu'"):
+        resolve_linear_backend("cpu", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_kernel), pytest.param("onednn", marks=needs_onednn)])
+def test_packed_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path, backend):
     write_hf_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
-    plain = load_model(tmp_path, torch.bfloat16, prepack=False)
-    packed = load_model(tmp_path, torch.bfloat16)
+    plain = load_model(tmp_path, torch.bfloat16, linear_backend="torch")
+    packed = load_model(tmp_path, torch.bfloat16, linear_backend=backend)
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
-    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * len(packed.layers)
+    assert sum(isinstance(m, PackedLinear) and m.backend == backend for m in packed.modules()) == 4 * len(packed.layers) + 1
     assert packed.weight_bytes() == plain.weight_bytes()
     assert load_model(tmp_path, torch.float32).logits_packed is None  # fp32 keeps the portable path
 
 
+@needs_onednn
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
-def test_engine_tokens_and_logprobs_identical_with_and_without_prepacking(tmp_path, arch):
+def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch):
     write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
     vocab = ARCH_CONFIGS[arch][2]["vocab_size"]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 33, 70)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     runs = []
-    for prepack in (False, True):
-        llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, prepack_weights=prepack,
+    for backend in ("torch", "onednn"):
+        llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
                   max_num_batched_tokens=24)  # chunked: steps mix decodes and prefill chunks
-        assert (llm.engine.model.logits_packed is not None) == prepack
+        assert (llm.engine.model.logits_packed is not None) == (backend != "torch")
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_engine_with_the_kernel_agrees_with_the_portable_path(tmp_path, arch):
+    """Greedy tokens equal, or at the first difference a near tie: each side's token in the other's top 3."""
+    write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
+    vocab = ARCH_CONFIGS[arch][2]["vocab_size"]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 33, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    runs = [LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
+                max_num_batched_tokens=24).generate(prompts, params) for backend in ("torch", "cpu")]
+    for a, b in zip(*runs):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            if ta != tb:
+                assert ta in b.logprobs[i].top and tb in a.logprobs[i].top
+                break
+            assert a.logprobs[i].logprob == pytest.approx(b.logprobs[i].logprob, abs=0.05)

@@ -114,7 +114,7 @@ class EngineConfig:
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
-    prepack_weights: bool = True  # CPU bf16: reorder linear weights once for oneDNN (model/packed_linear.py)
+    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernel, else oneDNN-packed), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

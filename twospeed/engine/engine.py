@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = max_len
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
-                                prepack=config.prepack_weights, attention_backend=config.attention_backend)
+                                linear_backend=config.linear_backend, attention_backend=config.attention_backend)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)

@@ -2,71 +2,30 @@
 
 Same interface as `TorchPagedAttention`, which stays the portable path and the reference it is tested
 against (tests/test_cpu_attention.py). Decodes go to the C kernel; prefill chunks, compute-bound, keep the
-portable batched SDPA. Decode groups may be padded: the kernel reads only each sequence's own length. The kernel is compiled on first use with the system C compiler (`CC`, else `cc`)
-for this CPU (-march=native) into the twospeed cache folder, keyed by the source, flags and CPU; if there is no
-compiler or the build fails, `load_kernel()` returns None and the engine uses the portable path.
+portable batched SDPA. Decode groups may be padded: the kernel reads only each sequence's own length. The kernel
+is compiled on first use (model/cbuild.py); if there is no compiler or the build fails, `load_kernel()` returns
+None and the engine uses the portable path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from twospeed.config import cache_root
 from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
+from twospeed.model.cbuild import build_library
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-# Not -ffast-math: linking with it sets flush-to-zero for the whole process (crtfastmath). Reassociation
-# alone lets the dot products vectorize; infinities stay (the online softmax starts from -inf).
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fopenmp", "-shared", "-fPIC"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
-def _cpu_id() -> str:
-    """The CPU's model and feature flags (Linux), else what platform knows."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-
-
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
-    """Build (once per source, compiler and flags) and load the kernel library; None where it cannot be."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: paged attention uses the portable torch path")
-        return None
-    # -march=native: a library built on another CPU (a shared cache folder) could hold illegal instructions here
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    lib = cache_root() / "kernels" / f"paged_attention-{key}.so"
-    try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-                out = Path(tmp) / lib.name
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], check=True, capture_output=True,
-                               text=True, timeout=120)
-                os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
-        kernel = ctypes.CDLL(str(lib))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("paged attention kernel unavailable (%s): using the portable torch path", detail)
+    """The kernel library (built once per source, compiler and CPU; model/cbuild.py), or None."""
+    kernel = build_library("paged_attention")
+    if kernel is None:
         return None
     for name in ("paged_decode_bf16", "paged_decode_f32"):
         getattr(kernel, name).argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]

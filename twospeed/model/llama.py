@@ -24,7 +24,7 @@ from torch import nn
 from twospeed.config import ModelConfig
 from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cpu_attention import make_attention
-from twospeed.model.packed_linear import pack_weight, packed_linear, prepack_linears
+from twospeed.model.packed_linear import PackedLinear, prepack_linears
 
 
 class RMSNorm(nn.Module):
@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_packed: torch.Tensor | None = None  # set by prepack()
+        self.logits_packed: PackedLinear | None = None  # set by prepack()
 
     def shard_sizes(self, fused: str) -> list[int]:
         """Output rows of each HF tensor packed into a fused parameter, in shard order."""
@@ -175,23 +175,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; only rows that sample pay for the vocab matmul."""
         if self.logits_packed is not None:
-            return packed_linear(hidden, self.logits_packed).float()
+            return self.logits_packed.forward(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def prepack(self) -> None:
-        """Switch every linear, and the logits matmul, to oneDNN-reordered bf16 weights (after loading weights).
-        A tied lm_head keeps the embedding table for lookups and gets a packed copy for the logits."""
+    def prepack(self, backend: str) -> None:
+        """Switch every linear, and the logits matmul, to bf16 weights packed for `backend` ("cpu" or "onednn",
+        model/packed_linear.py), after loading weights. A tied lm_head keeps the embedding table for lookups
+        and gets a packed copy for the logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_packed = pack_weight(weight)
+        self.logits_packed = PackedLinear(weight, None, backend)
         self.lm_head = None  # untied: the packed copy replaces it (and frees the plain weight)
-        prepack_linears(self.layers)
+        prepack_linears(self.layers, backend)
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every linear (plain or packed), the logits matrix and the norms."""
-        total = sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith("_packed"))
-        if self.logits_packed is not None:
-            total += self.logits_packed.numel() * self.logits_packed.element_size()
+        """Bytes a decode step reads: every linear's weights (plain or packed, padding not counted), biases,
+        the logits matrix and the norms; the embedding is a lookup."""
+        total = sum(m.out_features * m.in_features * m.weight_packed.element_size()
+                    for m in self.modules() if isinstance(m, PackedLinear))
         seen = set()
         for name, p in self.named_parameters(remove_duplicate=False):
             # the embedding is a lookup; the logits matmul reads it only when tied and not packed

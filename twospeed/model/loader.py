@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from twospeed.config import DTYPES, ModelConfig
 from twospeed.model.llama import LlamaForCausalLM
-from twospeed.model.packed_linear import can_prepack
+from twospeed.model.packed_linear import resolve_linear_backend
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -153,14 +153,16 @@ def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               max_positions: int | None = None, prepack: bool = True,
+               max_positions: int | None = None, linear_backend: str = "auto",
                attention_backend: str = "auto") -> LlamaForCausalLM:
     """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights.
 
-    prepack: on a CPU with oneDNN bf16 kernels, reorder bf16 linear weights once (model/packed_linear.py).
+    linear_backend: "auto" (CPU bf16: weights packed once for the C kernel, else oneDNN; model/packed_linear.py),
+    "cpu", "onednn" or "torch" (the plain nn.Linear).
     attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu"."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
+    linear_backend = resolve_linear_backend(linear_backend, device, dtype)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -170,6 +172,6 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
         torch.set_default_dtype(prev)
     model.requires_grad_(False)
     load_weights(model, path)
-    if prepack and can_prepack(device, dtype):
-        model.prepack()
+    if linear_backend != "torch":
+        model.prepack(linear_backend)
     return model.eval()

@@ -1,54 +1,128 @@
-"""Linears whose bf16 weights are reordered once, at load, into oneDNN's blocked layout (CPU only).
+"""bf16 linears whose weights are packed once, at load, for a CPU kernel (the portable path is nn.Linear).
 
-`F.linear` on a plain bf16 weight makes oneDNN reorder the weight on every call; on a decode step (a few
-rows against every weight of the model) that reorder is most of the cost. Reordering once at load time makes
-the matrix-vector products 1.5-4x faster here (a 768x2048 down projection: 0.29 -> 0.06 ms; the 768->32000
-logits: 9.3 -> 5.4 ms) and gives bit-identical results at every batch size, prefill included
-(tests/test_packed_linear.py checks that against `F.linear`). The plain `nn.Linear` stays the portable path:
-any other device or dtype, or `prepack=False`, keeps it.
+A decode step multiplies a few rows by every weight of the model, so it runs at the speed weights stream
+from memory. Two packings, picked by `linear_backend`:
+
+- "cpu": csrc/linear_bf16.c, AVX-512 BF16 dot products over weights in the VNNI pair layout, each weight read
+  once per step. Against oneDNN's prepacked kernels, on two Zen 4 cores: 1.5-2.3x at 1 row, 1.2-1.8x at 4-8
+  rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per output, as
+  oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding step.
+- "onednn": oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every call). Results are
+  bit-identical to `F.linear` at every batch size.
+- "auto": the C kernel where it builds (a C compiler and AVX-512 BF16) and the input width is even, else
+  oneDNN where it has bf16 kernels, else the plain `nn.Linear`. Any other device or dtype keeps `nn.Linear`.
+
+tests/test_packed_linear.py checks both against a float64 reference and the engine's tokens against HF's.
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import lru_cache
+
 import torch
 from torch import nn
 
+from twospeed.model.cbuild import build_library
 
-def can_prepack(device: torch.device | str, dtype: torch.dtype) -> bool:
+LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@lru_cache(maxsize=1)
+def linear_kernel() -> ctypes.CDLL | None:
+    """csrc/linear_bf16.c, built on first use (model/cbuild.py); None without a compiler or AVX-512 BF16."""
+    lib = build_library("linear_bf16")
+    if lib is None:
+        return None
+    lib.linear_bf16_pack.argtypes = [_P, _P, _I, _I, _I]
+    lib.linear_bf16_pack.restype = None
+    lib.linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
+    lib.linear_bf16.restype = None
+    lib.tile_rows = lib.linear_bf16_tile_rows()
+    return lib
+
+
+def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     """oneDNN bf16 kernels exist for this CPU (AVX-512 BF16 / AMX, or their emulation on AVX-512)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    # the batch-size hint 1 picks the layout for decode's few rows; prefill-sized inputs ran as fast as F.linear
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """What `backend` means here: "cpu", "onednn" or "torch" (the plain nn.Linear); errors if it cannot run."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
+    cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    if backend == "cpu" and not (cpu_bf16 and linear_kernel() is not None):
+        raise ValueError("linear_backend 'cpu' needs a CPU device, bf16 weights, a C compiler and AVX-512 BF16")
+    if backend == "onednn" and not can_use_onednn(device, dtype):
+        raise ValueError("linear_backend 'onednn' needs a CPU device, bf16 weights and oneDNN bf16 kernels")
+    if backend == "auto":
+        if cpu_bf16 and linear_kernel() is not None:
+            return "cpu"
+        return "onednn" if can_use_onednn(device, dtype) else "torch"
+    return backend
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an inference-only nn.Linear; holds the reordered weight instead of the original."""
+    """Drop-in for an inference-only bf16 nn.Linear; holds the packed weight instead of the original."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_packed", pack_weight(linear.weight), persistent=False)
-        self.bias = linear.bias
+        self.out_features, self.in_features = weight.shape
+        if backend == "cpu" and self.in_features % 2:
+            backend = "onednn" if can_use_onednn(weight.device, weight.dtype) else "torch"  # pairs of k only
+        self.backend = backend
+        w = weight.detach()
+        if backend == "cpu":
+            lib = linear_kernel()
+            tiles = -(-self.out_features // lib.tile_rows)
+            packed = torch.empty(tiles * lib.tile_rows * self.in_features, dtype=w.dtype, device=w.device)
+            w = w.contiguous()
+            lib.linear_bf16_pack(w.data_ptr(), packed.data_ptr(), self.out_features, self.in_features,
+                                 torch.get_num_threads())
+        elif backend == "onednn":
+            # the batch-size hint 1 picks the layout for decode's few rows; prefill-sized inputs ran as fast
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        else:
+            packed = w
+        self.register_buffer("weight_packed", packed, persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str) -> PackedLinear:
+        return cls(linear.weight, linear.bias, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight_packed, self.bias)
+        if self.backend == "cpu":
+            return self._kernel(x)
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
+        return nn.functional.linear(x, self.weight_packed, self.bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < self.in_features):
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            linear_kernel().linear_bf16(x2.data_ptr(), x2.stride(0), self.weight_packed.data_ptr(), bias,
+                                        y.data_ptr(), self.out_features, x2.shape[0], self.out_features,
+                                        self.in_features, torch.get_num_threads())
+        return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"backend={self.backend}")
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, backend: str) -> int:
     """Replace every nn.Linear in `model` by a PackedLinear (freeing the plain weight); returns how many."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear.from_linear(child, backend))
     return len(swaps)
