@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, TorchPagedAttention, decode_mask
-from twospeed.model.cpu_attention import CpuPagedAttention, load_kernel, make_attention
+from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, TorchPagedAttention,
+                                      causal_mask, decode_mask)
+from twospeed.model.cpu_attention import CpuPagedAttention, load_kernel, load_bf16_kernel, make_attention
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the kernel cannot be built")
 
@@ -49,14 +50,19 @@ CASES = [  # lens, heads, kv_heads, head_dim, block_size, window
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,avx512_bf16", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernel_matches_portable_decode(case, dtype):
+def test_kernel_matches_portable_decode(case, dtype, avx512_bf16):
     lens, heads, kv_heads, head_dim, block_size, window = CASES[case]
     args = decode_batch(lens, heads, kv_heads, head_dim, block_size, window, dtype, seed=case)
     ref_cache = [t.clone() for t in args[3:5]]
     expected = TorchPagedAttention(heads, kv_heads, head_dim).forward(*args[:3], *ref_cache, args[5])
-    got = CpuPagedAttention(heads, kv_heads, head_dim, window).forward(*args)
+    attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
+    if avx512_bf16 and attn.bf16_kernel is None:
+        pytest.skip("no AVX-512 BF16 kernel on this CPU")
+    if not avx512_bf16:
+        attn.bf16_kernel = None  # the portable C kernel (csrc/paged_attention.c)
+    got = attn.forward(*args)
     assert torch.equal(args[3], ref_cache[0]) and torch.equal(args[4], ref_cache[1])  # the same cache writes
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, expected, **tol)
@@ -103,3 +109,75 @@ def test_loading_the_kernel_keeps_subnormals():
     assert load_kernel() is not None
     tiny = 5e-324
     assert tiny * 1.0 > 0.0 and torch.tensor([1e-40]).mul(1.0).item() > 0.0
+
+
+def prefill_batch(spans: list[tuple[int, int]], decodes: list[int], heads: int, kv_heads: int, head_dim: int,
+                  block_size: int, window: int | None, seed: int):
+    """Decodes then prefill chunks (context_len, num_tokens) on scattered blocks, as the runner lays them out;
+    the context before each chunk is already in the cache."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    lens = decodes + [c for c, _ in spans]
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(b)] for b in need]
+    slot = lambda t, p: t[p // block_size] * block_size + p % block_size  # noqa: E731
+    cpu = torch.device("cpu")
+    slots = [slot(t, n - 1) for t, n in zip(tables, decodes)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor([0]), num_decode_tokens=len(decodes))
+    if decodes:
+        width = max(need[:len(decodes)])
+        meta.decodes.append(DecodeGroup(
+            start=0, num_tokens=len(decodes),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:len(decodes)]]),
+            mask=decode_mask(decodes, width * block_size, window, cpu), seq_lens=torch.tensor(decodes)))
+    start = len(decodes)
+    for (ctx, n), table in zip(spans, tables[len(decodes):]):
+        slots += [slot(table, p) for p in range(ctx - n, ctx)]
+        meta.prefills.append(PrefillSpan(start=start, num_tokens=n, context_len=ctx, block_table=torch.tensor(table),
+                                         mask=causal_mask(n, ctx, window, cpu)))
+        start += n
+    meta.slot_mapping = torch.tensor(slots)
+    if spans:
+        width = max(len(t) for t in tables[len(decodes):])
+        meta.prefill_batch = PrefillBatch(
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[len(decodes):]]),
+            q_start=torch.tensor([p.start for p in meta.prefills]), q_len=torch.tensor([n for _, n in spans]),
+            context_len=torch.tensor([c for c, _ in spans]))
+    t = start
+    q = torch.randn(t, heads, head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    return q, k, v, k_cache, v_cache, meta
+
+
+PREFILL_CASES = [  # spans (context_len, num_tokens), decodes, heads, kv_heads, head_dim, block_size, window
+    ([(1, 1)], [], 4, 4, 8, 16, None),  # a one-token prompt
+    ([(512, 512)], [], 12, 4, 64, 16, None),  # a whole prompt
+    ([(300, 37), (17, 17), (90, 5)], [40, 3], 12, 4, 64, 16, None),  # continuing chunks beside decodes
+    ([(77, 77), (200, 123)], [], 6, 1, 12, 8, None),  # MQA, small head_dim, 8-token blocks
+    ([(129, 64), (40, 40)], [9], 8, 2, 10, 16, 20),  # sliding window
+    ([(150, 150)], [], 4, 2, 256, 64, None),  # head_dim and block_size at the limits
+    ([(33, 33), (65, 65)], [], 16, 1, 128, 32, 7),  # G = 16, a window shorter than a key group
+]
+
+
+@pytest.mark.skipif(load_bf16_kernel() is None, reason="no AVX-512 BF16: the prefill kernel cannot be built")
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_kernel_matches_portable(case, monkeypatch):
+    args = prefill_batch(*PREFILL_CASES[case], seed=case)
+    heads, kv_heads, head_dim, _, window = PREFILL_CASES[case][2:]
+    ref_cache = [t.clone() for t in args[3:5]]
+    expected = TorchPagedAttention(heads, kv_heads, head_dim).forward(*args[:3], *ref_cache, args[5])
+    attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
+    assert attn.prefill_kernel is not None
+
+    def portable_prefill(*a, **k):
+        raise AssertionError("the portable prefill ran")
+    monkeypatch.setattr(TorchPagedAttention, "prefill", portable_prefill)  # the kernel must do all of it
+    got = attn.forward(*args)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

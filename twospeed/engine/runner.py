@@ -14,7 +14,8 @@ import torch
 from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.scheduler import ScheduledChunk
-from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, causal_mask, decode_mask
+from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, causal_mask,
+                                      decode_mask)
 from twospeed.model.llama import LlamaForCausalLM
 
 GiB = 1 << 30
@@ -77,13 +78,24 @@ class ModelRunner:
                 mask=decode_mask(context_lens[lo:hi], width * bs, self.sliding_window, dev),
                 seq_lens=torch.tensor(context_lens[lo:hi], dtype=torch.int64, device=dev)))
         offset = d
+        span_tables = []
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
+            span_tables.append(table[: -(-ctx // bs)])
             meta.prefills.append(PrefillSpan(
                 start=offset, num_tokens=c.num_tokens, context_len=ctx,
-                block_table=torch.tensor(table[: -(-ctx // bs)], dtype=torch.int64, device=dev),
+                block_table=torch.tensor(span_tables[-1], dtype=torch.int64, device=dev),
                 mask=causal_mask(c.num_tokens, ctx, self.sliding_window, dev)))
             offset += c.num_tokens
+        if meta.prefills:
+            width = max(len(t) for t in span_tables)
+            spans = meta.prefills
+            meta.prefill_batch = PrefillBatch(
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in span_tables], dtype=torch.int64,
+                                          device=dev),
+                q_start=torch.tensor([p.start for p in spans], dtype=torch.int64, device=dev),
+                q_len=torch.tensor([p.num_tokens for p in spans], dtype=torch.int64, device=dev),
+                context_len=torch.tensor([p.context_len for p in spans], dtype=torch.int64, device=dev))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])

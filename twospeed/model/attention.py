@@ -47,11 +47,22 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Every prefill span of the step in one set of tensors, for a kernel that takes them all in one call."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
+    q_start: torch.Tensor  # [n] int64: first row of each span in the flat batch
+    q_len: torch.Tensor  # [n] int64
+    context_len: torch.Tensor  # [n] int64
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     num_decode_tokens: int  # the first D tokens of the batch are decodes, sorted by context length
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    prefill_batch: PrefillBatch | None = None  # the same spans as `prefills`, batched; None when there are none
 
 
 def causal_mask(num_tokens: int, context_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -1,10 +1,13 @@
-"""The CPU fast path of paged attention: decode tokens read their KV blocks in place (csrc/paged_attention.c).
+"""The CPU fast path of paged attention: C kernels that read the KV blocks in place.
 
-Same interface as `TorchPagedAttention`, which stays the portable path and the reference it is tested
-against (tests/test_cpu_attention.py). Decodes go to the C kernel; prefill chunks, compute-bound, keep the
-portable batched SDPA. Decode groups may be padded: the kernel reads only each sequence's own length. The kernel
-is compiled on first use (model/cbuild.py); if there is no compiler or the build fails, `load_kernel()` returns
-None and the engine uses the portable path.
+Same interface as `TorchPagedAttention`, which stays the portable path and the reference they are tested
+against (tests/test_cpu_attention.py). Two libraries, compiled on first use (model/cbuild.py):
+- csrc/attention_bf16.c (AVX-512 BF16): bf16 decodes and bf16 prefill chunks (even head_dim), which the
+  portable path sends through torch's CPU flash attention after gathering earlier chunks' blocks;
+- csrc/paged_attention.c (any x86/ARM compiler target): decodes in fp32, and in bf16 where the first does not
+  build. Prefill chunks there keep the portable batched SDPA.
+Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
+`load_kernel()` returns None and the engine uses the portable path.
 """
 
 from __future__ import annotations
@@ -36,6 +39,22 @@ def load_kernel() -> ctypes.CDLL | None:
     return kernel
 
 
+@lru_cache(maxsize=1)
+def load_bf16_kernel() -> ctypes.CDLL | None:
+    """csrc/attention_bf16.c (AVX-512 BF16: decode and prefill), or None where it cannot be built."""
+    kernel = build_library("attention_bf16")
+    if kernel is None:
+        return None
+    kernel.prefill_attention_bf16.argtypes = [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I]
+    kernel.prefill_attention_bf16.restype = None
+    kernel.decode_attention_bf16.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
+    kernel.decode_attention_bf16.restype = None
+    limits = [ctypes.c_int() for _ in range(2)]
+    kernel.attention_bf16_limits(*(ctypes.byref(x) for x in limits))
+    kernel.limits = tuple(x.value for x in limits)  # (max G, max head_dim)
+    return kernel
+
+
 def kernel_supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
     kernel = load_kernel()
     if kernel is None or dtype not in (torch.bfloat16, torch.float32):
@@ -45,19 +64,26 @@ def kernel_supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes through the in-place C kernel; prefill chunks through the portable path."""
+    """Decodes through the in-place C kernels; bf16 prefill chunks too where the AVX-512 BF16 kernel builds."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = load_kernel()
         self.window = sliding_window or 0
         self.scale = head_dim ** -0.5
+        bf16 = load_bf16_kernel()
+        fits = bf16 is not None and num_heads // num_kv_heads <= bf16.limits[0] and head_dim <= bf16.limits[1]
+        self.bf16_kernel = bf16 if fits else None  # decode; prefill too where head_dim is even (k pairs)
+        self.prefill_kernel = bf16 if fits and head_dim % 2 == 0 else None
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor) -> None:
         if q.device.type != "cpu" or k_cache.shape[1] > self.kernel.limits[2]:
             return super().decode(q, k_cache, v_cache, meta, out)
-        fn = self.kernel.paged_decode_bf16 if q.dtype == torch.bfloat16 else self.kernel.paged_decode_f32
+        if q.dtype == torch.bfloat16:
+            fn = self.bf16_kernel.decode_attention_bf16 if self.bf16_kernel else self.kernel.paged_decode_bf16
+        else:
+            fn = self.kernel.paged_decode_f32
         q = q.contiguous()
         threads = torch.get_num_threads()
         for group in meta.decodes:
@@ -66,6 +92,19 @@ class CpuPagedAttention(TorchPagedAttention):
             fn(q[s].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                out[s].data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
                tables.shape[1], self.window, self.scale, threads)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        batch = meta.prefill_batch
+        if batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+            return super().prefill(q, k, v, k_cache, v_cache, meta, out)
+        q = q.contiguous()
+        # K/V of these chunks are already in the cache (write_cache ran first): the kernel reads them there
+        self.prefill_kernel.prefill_attention_bf16(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
+            batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
+            len(meta.prefills), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
+            batch.block_tables.shape[1], self.window, self.scale, torch.get_num_threads())
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,

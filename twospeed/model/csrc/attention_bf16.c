@@ -1,0 +1,293 @@
+/* Attention over the paged KV cache in bf16 with AVX-512 BF16 (CPU, OpenMP): prefill chunks and decodes.
+ *
+ * Decode (decode_attention_bf16): one task per (sequence, KV head) walks the block table; for each key the G
+ * query heads' scores are vdpbf16ps dot products against the key row read in place; 16 keys at a time the
+ * online softmax (running max m, sum l) takes one vector exp, then the value rows, widened to float32, are
+ * added with each head's probability. Same contract as csrc/paged_attention.c's paged_decode_bf16, which
+ * stays the path for CPUs without AVX-512 BF16.
+ *
+ * Prefill (prefill_attention_bf16): causal attention of prefill chunks.
+ * torch's CPU flash attention ran a 512-token, 12-head prefill at about 60 GFLOP/s here, a quarter of the
+ * prompt's time; this kernel reads K and V in place from the cache blocks (the chunk's own K/V are already
+ * written there), so a chunk that continues earlier ones or a prefix-cache hit needs no gather either.
+ *
+ * One task is 16 query rows of one KV head (row r = query token r / G, query head r % G of the G sharing that
+ * KV head), with the rows in the 16 lanes of a vector. Scores for one key are one vdpbf16ps chain over the
+ * head dim: the rows' queries packed as k pairs, the key's pairs broadcast from the cache. So the online
+ * softmax (running max m, sum l) runs lane-wise over keys, 16 keys at a time. P times V is the same trick the
+ * other way: the 16 rows' probabilities of two keys interleaved in one vector, V's pairs of those two keys
+ * broadcast, from V transposed once per (sequence, KV head) into [D][key pairs]. Scores, softmax and output
+ * accumulate in float32; P is rounded to bf16 for the second product, as torch's flash attention does.
+ *
+ * q, out: [T, H, D] rows of the flat batch; k_cache, v_cache: [num_blocks, BS, KVH, D]; per sequence s:
+ * tables[s] (max_blocks block ids), its queries are rows q_start[s] .. + q_len[s] at positions
+ * ctx_len[s] - q_len[s] .. ctx_len[s] - 1. window > 0 keeps the last `window` keys. D even, D <= 256.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXD 256
+#define MAXG 16
+
+static inline float bf16_to_f32(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v; v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for float32 lanes, about 2 ulp; -inf and anything below -87.3 give 0. */
+static inline __m512 exp512(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+static inline const uint16_t *slot(const uint16_t *cache, const int64_t *table, int j, int BS, int KVH, int h, int D) {
+    return cache + (((int64_t)table[j / BS] * BS + j % BS) * KVH + h) * D;
+}
+
+int attention_bf16_limits(int *max_g, int *max_d) { *max_g = MAXG; *max_d = MAXD; return 0; }
+
+static inline __mmask32 tail32(int left) { return left >= 32 ? (__mmask32)0xffffffffu : (((__mmask32)1 << left) - 1); }
+
+/* q, out: [n, H, D]; tables [n, max_blocks]; lens [n]: the query of sequence s sits at position lens[s] - 1.
+ * A task is one sequence and a run of its KV heads: all of them when there are enough sequences to keep the
+ * threads busy, so each key's row (every KV head, contiguous in the cache) streams from memory in order. */
+#define MAXROWS 64
+void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int64_t *tables, const int64_t *lens, uint16_t *out, int n, int H, int KVH, int D,
+                           int BS, int max_blocks, int window, float scale, int threads) {
+    const int G = H / KVH, DC = (D + 31) / 32, DV = (D + 15) / 16;
+    int per_task = KVH;  /* KV heads per task */
+    while (per_task > 1 && (per_task * G > MAXROWS || (int64_t)n * ((KVH + per_task - 1) / per_task) < 2 * threads))
+        per_task = (per_task + 1) / 2;
+    const int chunks = (KVH + per_task - 1) / per_task;
+    const int64_t row_stride = (int64_t)KVH * D;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int task = 0; task < n * chunks; task++) {
+        const int s = task / chunks, h0 = (task % chunks) * per_task;
+        const int h1 = h0 + per_task < KVH ? h0 + per_task : KVH, R = (h1 - h0) * G, len = (int)lens[s];
+        const int start = (window > 0 && len > window) ? len - window : 0;
+        const int64_t *table = tables + (int64_t)s * max_blocks;
+        __m512bh qv[MAXROWS][MAXD / 32];
+        __m512 acc[MAXROWS][MAXD / 16];
+        float m[MAXROWS], l[MAXROWS], sc[MAXROWS][16];
+        for (int r = 0; r < R; r++) {  /* row r: query head h0 * G + r */
+            const uint16_t *qr = q + ((int64_t)s * H + (int64_t)h0 * G + r) * D;
+            for (int c = 0; c < DC; c++) qv[r][c] = (__m512bh)_mm512_maskz_loadu_epi16(tail32(D - 32 * c), qr + 32 * c);
+            for (int c = 0; c < DV; c++) acc[r][c] = _mm512_setzero_ps();
+            m[r] = -INFINITY; l[r] = 0.f;
+        }
+        int blk = start / BS, off = start % BS;  /* key j's block and offset, walked without divisions */
+        for (int j0 = start; j0 < len; j0 += 16) {
+            const int nk = len - j0 < 16 ? len - j0 : 16;
+            const uint16_t *vrow[16];
+            for (int jj = 0; jj < nk; jj++) {
+                const int64_t at = ((int64_t)table[blk] * BS + off) * row_stride + (int64_t)h0 * D;
+                if (++off == BS) { off = 0; blk++; }
+                vrow[jj] = v_cache + at;
+                for (int hh = 0; hh < h1 - h0; hh++) {
+                    const uint16_t *kr = k_cache + at + (int64_t)hh * D;
+                    __m512bh kv[MAXD / 32];
+                    for (int c = 0; c < DC; c++) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail32(D - 32 * c), kr + 32 * c);
+                    for (int g = 0; g < G; g++) {
+                        const int r = hh * G + g;
+                        __m512 d = _mm512_setzero_ps();
+                        for (int c = 0; c < DC; c++) d = _mm512_dpbf16_ps(d, qv[r][c], kv[c]);
+                        sc[r][jj] = _mm512_reduce_add_ps(d) * scale;
+                    }
+                }
+            }
+            const __mmask16 live = (__mmask16)((1u << nk) - 1);
+            for (int r = 0; r < R; r++) {
+                const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[r]);
+                const float mx = _mm512_reduce_max_ps(v), mnew = mx > m[r] ? mx : m[r];
+                const float corr = expf(m[r] - mnew);  /* m = -inf at the first group: 0 */
+                const __m512 p = exp512(_mm512_sub_ps(v, _mm512_set1_ps(mnew)));
+                l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+                m[r] = mnew;
+                if (corr != 1.f)
+                    for (int c = 0; c < DV; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(corr));
+                _mm512_storeu_ps(sc[r], p);
+            }
+            for (int jj = 0; jj < nk; jj++)
+                for (int hh = 0; hh < h1 - h0; hh++)
+                    for (int c = 0; c < DV; c++) {
+                        const int left = D - 16 * c;
+                        const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                        const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, vrow[jj] + (int64_t)hh * D + 16 * c)), 16));
+                        for (int g = 0; g < G; g++) {
+                            const int r = hh * G + g;
+                            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][jj]), vf, acc[r][c]);
+                        }
+                    }
+        }
+        for (int r = 0; r < R; r++) {
+            uint16_t *op = out + ((int64_t)s * H + (int64_t)h0 * G + r) * D;
+            const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+            for (int c = 0; c < DV; c++) {
+                const int left = D - 16 * c;
+                const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                _mm256_mask_storeu_epi16(op + 16 * c, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+            }
+        }
+    }
+}
+
+void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int64_t *tables, const int64_t *q_start, const int64_t *q_len,
+                            const int64_t *ctx_len, uint16_t *out, int n, int H, int KVH, int D, int BS,
+                            int max_blocks, int window, float scale, int threads) {
+    const int G = H / KVH, D2 = D / 2;
+    /* V transposed per (sequence, KV head) into pairs of keys: vt[d][key pair] = (v[2p][d], v[2p+1][d]) */
+    int64_t *vt_off = malloc(sizeof(int64_t) * (n * KVH + 1));
+    int64_t *task_off = malloc(sizeof(int64_t) * (n + 1));
+    vt_off[0] = 0; task_off[0] = 0;
+    for (int s = 0; s < n; s++) {
+        const int64_t pairs = (ctx_len[s] + 17) / 2;  /* rounded up, plus a pair for the last group's tail */
+        for (int h = 0; h < KVH; h++) vt_off[s * KVH + h + 1] = vt_off[s * KVH + h] + pairs * D;
+        task_off[s + 1] = task_off[s] + (int64_t)KVH * ((q_len[s] * G + 15) / 16);
+    }
+    uint32_t *vt = malloc(sizeof(uint32_t) * (vt_off[n * KVH] + 16));
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int sh = 0; sh < n * KVH; sh++) {
+            const int s = sh / KVH, h = sh % KVH, ctx = (int)ctx_len[s];
+            const int64_t *table = tables + (int64_t)s * max_blocks;
+            const int64_t pairs = (vt_off[sh + 1] - vt_off[sh]) / D;
+            uint32_t *dst = vt + vt_off[sh];
+            for (int64_t p = 0; p < pairs; p++) {
+                const int j = (int)(2 * p);
+                const uint16_t *a = j < ctx ? slot(v_cache, table, j, BS, KVH, h, D) : NULL;
+                const uint16_t *b = j + 1 < ctx ? slot(v_cache, table, j + 1, BS, KVH, h, D) : NULL;
+                for (int d = 0; d < D; d++)
+                    dst[(int64_t)d * pairs + p] = (a ? a[d] : 0u) | ((uint32_t)(b ? b[d] : 0u) << 16);
+            }
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < task_off[n]; task++) {
+            int s = 0;
+            while (task_off[s + 1] <= task) s++;
+            const int64_t local = task - task_off[s], groups = (q_len[s] * G + 15) / 16;
+            const int h = (int)(local / groups), rows = (int)(q_len[s] * G), r0 = (int)(local % groups) * 16;
+            const int ctx = (int)ctx_len[s], first_pos = ctx - (int)q_len[s];
+            const int64_t *table = tables + (int64_t)s * max_blocks;
+            const int64_t pairs = (vt_off[s * KVH + h + 1] - vt_off[s * KVH + h]) / D;
+            const uint32_t *vth = vt + vt_off[s * KVH + h];
+            /* the rows' queries as k pairs: qp[c] lane r = (q[2c], q[2c+1]) of row r0 + r */
+            __m512i qp[MAXD / 2];
+            uint32_t lanes[16];
+            int pos[16], lo = ctx, hi = 0;
+            for (int c = 0; c < D2; c++) {
+                for (int r = 0; r < 16; r++) {
+                    const int row = r0 + r;
+                    lanes[r] = 0;
+                    if (row < rows) {
+                        const uint16_t *qr = q + ((q_start[s] + row / G) * H + (int64_t)h * G + row % G) * D;
+                        memcpy(&lanes[r], qr + 2 * c, 4);
+                    }
+                }
+                qp[c] = _mm512_loadu_si512(lanes);
+            }
+            for (int r = 0; r < 16; r++) {
+                const int row = r0 + r;
+                pos[r] = row < rows ? first_pos + row / G : -1;  /* -1: an empty lane sees no key */
+                if (row < rows) {
+                    const int from = window > 0 && pos[r] - window + 1 > 0 ? pos[r] - window + 1 : 0;
+                    lo = from < lo ? from : lo;
+                    hi = pos[r] + 1 > hi ? pos[r] + 1 : hi;
+                }
+            }
+            const __m512i vpos = _mm512_loadu_si512(pos);
+            const __m512i vfrom = window > 0 ? _mm512_sub_epi32(vpos, _mm512_set1_epi32(window - 1))
+                                             : _mm512_set1_epi32(0);
+            __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+            __m512 o[MAXD];
+            for (int d = 0; d < D; d++) o[d] = _mm512_setzero_ps();
+            const __m512 vscale = _mm512_set1_ps(scale);
+            const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            for (int j0 = lo & ~15; j0 < hi; j0 += 16) {
+                __m512 sc[16];
+                for (int jj = 0; jj < 16; jj += 4) {
+                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    const int j = j0 + jj;
+                    /* keys past hi get a real key's address (masked below) so the loop stays branch-free */
+                    const uint32_t *k0 = (const uint32_t *)slot(k_cache, table, j < hi ? j : hi - 1, BS, KVH, h, D);
+                    const uint32_t *k1 = (const uint32_t *)slot(k_cache, table, j + 1 < hi ? j + 1 : hi - 1, BS, KVH, h, D);
+                    const uint32_t *k2 = (const uint32_t *)slot(k_cache, table, j + 2 < hi ? j + 2 : hi - 1, BS, KVH, h, D);
+                    const uint32_t *k3 = (const uint32_t *)slot(k_cache, table, j + 3 < hi ? j + 3 : hi - 1, BS, KVH, h, D);
+                    for (int c = 0; c < D2; c++) {
+                        const __m512bh qc = (__m512bh)qp[c];
+                        a0 = _mm512_dpbf16_ps(a0, qc, (__m512bh)_mm512_set1_epi32((int)k0[c]));
+                        a1 = _mm512_dpbf16_ps(a1, qc, (__m512bh)_mm512_set1_epi32((int)k1[c]));
+                        a2 = _mm512_dpbf16_ps(a2, qc, (__m512bh)_mm512_set1_epi32((int)k2[c]));
+                        a3 = _mm512_dpbf16_ps(a3, qc, (__m512bh)_mm512_set1_epi32((int)k3[c]));
+                    }
+                    sc[jj] = a0; sc[jj + 1] = a1; sc[jj + 2] = a2; sc[jj + 3] = a3;
+                }
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int jj = 0; jj < 16; jj++) {
+                    const __m512i key = _mm512_set1_epi32(j0 + jj);
+                    const __mmask16 seen = _mm512_cmp_epi32_mask(key, vpos, _MM_CMPINT_LE)
+                                         & _mm512_cmp_epi32_mask(key, vfrom, _MM_CMPINT_NLT);
+                    sc[jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, sc[jj], vscale);
+                    mx = _mm512_max_ps(mx, sc[jj]);
+                }
+                const __m512 mnew = _mm512_max_ps(m, mx);
+                /* lanes that have seen no key yet keep m = -inf; use 0 there so exp gives 0, not NaN */
+                const __mmask16 has = _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                const __m512 muse = _mm512_maskz_mov_ps(has, mnew);
+                const __m512 corr = exp512(_mm512_sub_ps(m, muse));
+                __m512 sum = _mm512_setzero_ps();
+                for (int jj = 0; jj < 16; jj++) {
+                    sc[jj] = exp512(_mm512_sub_ps(sc[jj], muse));
+                    sum = _mm512_add_ps(sum, sc[jj]);
+                }
+                l = _mm512_fmadd_ps(l, corr, sum);
+                m = mnew;
+                if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
+                    for (int d = 0; d < D; d++) o[d] = _mm512_mul_ps(o[d], corr);
+                __m512bh pp[8];
+                for (int p = 0; p < 8; p++)
+                    pp[p] = (__m512bh)_mm512_permutexvar_epi16(
+                        interleave, (__m512i)_mm512_cvtne2ps_pbh(sc[2 * p + 1], sc[2 * p]));
+                const int64_t pair0 = j0 / 2;
+                for (int d = 0; d < D; d++) {
+                    const uint32_t *vd = vth + (int64_t)d * pairs + pair0;
+                    __m512 acc = o[d];
+                    for (int p = 0; p < 8; p++)
+                        acc = _mm512_dpbf16_ps(acc, pp[p], (__m512bh)_mm512_set1_epi32((int)vd[p]));
+                    o[d] = acc;
+                }
+            }
+            float ob[MAXD][16], lb[16];
+            _mm512_storeu_ps(lb, l);
+            for (int d = 0; d < D; d++) _mm512_storeu_ps(ob[d], o[d]);
+            for (int r = 0; r < 16 && r0 + r < rows; r++) {
+                const int row = r0 + r;
+                uint16_t *dst = out + ((q_start[s] + row / G) * H + (int64_t)h * G + row % G) * D;
+                const float inv = 1.0f / lb[r];
+                for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(ob[d][r] * inv);
+            }
+        }
+    }
+    free(vt); free(vt_off); free(task_off);
+}
