@@ -24,6 +24,7 @@ from torch import nn
 from twospeed.config import ModelConfig
 from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cpu_attention import make_attention
+from twospeed.model.fused_ops import rms_norm, silu_mul
 from twospeed.model.packed_linear import PackedLinear, prepack_linears
 
 
@@ -32,10 +33,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_kernel = True  # the fused C op where it applies (model/fused_ops.py); False: torch ops only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order: normalise in float32, round to the model dtype, then scale (one fused kernel, not six ops)
+        # HF's order: normalise in float32, round to the model dtype, then scale
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the add as HF's `residual + hidden_states` (in place)."""
+        return rms_norm(x, self.weight, self.eps, residual, self.use_kernel)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -119,10 +125,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.use_kernel = True  # fused SiLU-and-multiply where it applies (model/fused_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x), self.use_kernel))
 
 
 class DecoderLayer(nn.Module):
@@ -133,9 +139,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, kv_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """x: the last layer's MLP output (the embeddings at layer 0, with residual None); returns this
+        layer's MLP output and the residual stream, so each residual add fuses with the RMSNorm after it."""
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h, residual = self.post_attention_layernorm.forward_residual(
+            self.self_attn.forward(h, rope, kv_cache, meta), residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -166,11 +176,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer.forward(x, rope, kv_cache, meta)
-        return self.norm.forward(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
+        return self.norm.forward_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; only rows that sample pay for the vocab matmul."""

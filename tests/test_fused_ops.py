@@ -1,0 +1,62 @@
+"""The fused C ops (csrc/fused_bf16.c) against the torch ops they replace: residual add + RMSNorm, SiLU * up.
+
+Both round where HF's bf16 modules round, so outputs match the torch path exactly except where float32
+summation order (the RMS) or the exp polynomial moves a value across a bf16 rounding boundary: at most one
+bf16 step, and rarely.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from twospeed.model.fused_ops import fused_kernel, rms_norm, silu_mul
+
+pytestmark = pytest.mark.skipif(fused_kernel() is None, reason="no C compiler or no AVX-512 BF16 on this CPU")
+
+
+def one_step(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, or one bf16 rounding step apart (relative 2^-7 of the larger magnitude), and rarely so."""
+    a, b = a.float(), b.float()
+    diff = (a - b).abs()
+    ok = bool((diff <= torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-30).all())
+    return ok and (diff > 0).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("rows,width", [(1, 768), (3, 40), (8, 36), (33, 1000), (130, 17)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows, width, with_residual):
+    g = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, width, generator=g) * 3).to(torch.bfloat16)
+    w = (torch.rand(width, generator=g) + 0.5).to(torch.bfloat16)
+    res = torch.randn(rows, width, generator=g).to(torch.bfloat16) if with_residual else None
+    ref_norm, ref_sum = rms_norm(x, w, 1e-5, None if res is None else res.clone(), use_kernel=False)
+    norm, total = rms_norm(x, w, 1e-5, None if res is None else res.clone())
+    assert torch.equal(total, ref_sum)  # the residual add is exact bf16 rounding either way
+    assert one_step(norm, ref_norm)
+    if with_residual:
+        # and the test can fail: a wrong weight moves the output by far more than a rounding step
+        assert not one_step(rms_norm(x, w * 1.1, 1e-5, res.clone())[0], ref_norm)
+
+
+def test_rms_norm_reads_a_strided_row_view():
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    wide = torch.cat([x, torch.zeros(5, 8, dtype=x.dtype)], dim=1)[:, :64]
+    w = torch.ones(64, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm(wide, w, 1e-6)[0], rms_norm(x, w, 1e-6)[0])
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (4, 56), (9, 72), (64, 100)])
+def test_silu_mul_matches_torch(rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends and signed zero
+    assert one_step(silu_mul(gate_up), silu_mul(gate_up, use_kernel=False))
+
+
+def test_other_dtypes_and_layouts_take_the_torch_path():
+    x = torch.randn(3, 16)
+    w = torch.ones(16)
+    norm, total = rms_norm(x, w, 1e-6, torch.ones(3, 16))
+    assert torch.equal(total, x + 1) and norm.dtype == torch.float32
+    assert torch.equal(silu_mul(torch.ones(2, 8)), torch.nn.functional.silu(torch.ones(2, 4)))

@@ -1,0 +1,64 @@
+"""Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU in bf16 (csrc/fused_bf16.c), torch
+ops elsewhere (the portable path and the reference; tests/test_fused_ops.py compares them).
+
+The C path is taken for contiguous-row bf16 CPU tensors when the library builds (a C compiler and AVX-512
+BF16, model/cbuild.py); otherwise these functions run the same math as torch ops, rounding where HF does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from twospeed.model.cbuild import build_library
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@lru_cache(maxsize=1)
+def fused_kernel() -> ctypes.CDLL | None:
+    lib = build_library("fused_bf16")
+    if lib is None:
+        return None
+    lib.add_rms_norm_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I]
+    lib.add_rms_norm_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [_P, _L, _P, _I, _I, _I]
+    lib.silu_mul_bf16.restype = None
+    return lib
+
+
+def _kernel_for(x: torch.Tensor) -> ctypes.CDLL | None:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return fused_kernel()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (or x), then HF's RMSNorm of s: normalise in float32, round, scale by the weight.
+    Returns (normed, s); s is the residual stream for the next add (written into `residual` in place)."""
+    lib = _kernel_for(x) if use_kernel else None
+    if lib is not None and (residual is None or residual.is_contiguous()) and weight.dtype == x.dtype:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        lib.add_rms_norm_bf16(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                              weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps,
+                              torch.get_num_threads())
+        return out, (x if residual is None else residual)
+    s = x if residual is None else residual.add_(x)
+    return weight * F.rms_norm(s.float(), weight.shape, None, eps).to(x.dtype), s
+
+
+def silu_mul(gate_up: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, each rounded to the input dtype as F.silu(g) * u rounds."""
+    lib = _kernel_for(gate_up) if use_kernel else None
+    if lib is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], inter,
+                      torch.get_num_threads())
+    return out
