@@ -61,6 +61,9 @@ class Sim:
                 assert block.ref_cnt == 1, f"{r} writes position {p} into shared block {block.block_id}"
                 self.slots[block.block_id][p % self.bs] = tuple(r.all_token_ids[: p + 1])
             self.computed[r.request_id] += c.num_tokens
+        cap = self.cfg.max_prefill_tokens_while_decoding
+        if cap is not None and self.cfg.enable_chunked_prefill and out.num_decode_tokens:
+            assert out.num_prefill_tokens <= cap, f"{out.num_prefill_tokens} prefill tokens beside decodes"
         self.t += 0.5
         self.sched.update_after_step(out, self.t)
         for c in out.chunks:
@@ -146,6 +149,22 @@ def test_running_decodes_go_before_new_prefills():
     assert b.clock.decode_steps == 0 and b.output_token_ids == expected_output(b.prompt_token_ids, 1)
     assert b.clock.first_scheduled == 2.0 and b.clock.prefill_done == 4.5
     assert not sim.sched.has_unfinished()
+
+
+def test_prefill_cap_beside_decodes():
+    sim = Sim(64, 4, max_num_batched_tokens=16, max_prefill_tokens_while_decoding=5)
+    sim.add("long", list(range(30, 70)), 2)  # 40 tokens
+    assert chunks(sim.step()) == [("long", 0, 16)]  # nothing decodes yet: the whole budget
+    sim.add("chat", [5, 6, 7], 6)
+    assert chunks(sim.step()) == [("long", 16, 16)]  # chat waits (FCFS), still no decode
+    assert chunks(sim.step()) == [("long", 32, 8), ("chat", 0, 3)]
+    # now chat decodes: prompt chunks beside it get at most 5 tokens a step
+    sim.add("late", list(range(80, 92)), 1)
+    assert chunks(sim.step()) == [("long", 40, 1), ("chat", 3, 1), ("late", 0, 5)]
+    assert chunks(sim.step()) == [("chat", 4, 1), ("late", 5, 5)]
+    sim.run()
+    assert all(o.num_prefill_tokens <= 5 for o in sim.outputs[3:] if o.num_decode_tokens)
+    assert sim.kv.num_free_blocks == 64
 
 
 def test_max_num_seqs_and_queue_time():
@@ -329,13 +348,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         caching=st.booleans(),
         bases=st.lists(st.lists(TOKENS, min_size=24, max_size=24), min_size=2, max_size=2),
+        cap=st.one_of(st.none(), st.integers(1, 8)),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases):
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap):
         max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
         if not chunked:
             budget = max(budget, max_len)  # as LLMEngine does
         self.sim = Sim(num_blocks, block_size, caching, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                       max_model_len=max_len, enable_chunked_prefill=chunked, scheduling_policy=policy)
+                       max_model_len=max_len, enable_chunked_prefill=chunked, scheduling_policy=policy,
+                       max_prefill_tokens_while_decoding=cap)
         self.max_len = max_len
         self.bases = bases
         self.n = 0

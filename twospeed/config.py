@@ -86,6 +86,9 @@ class SchedulerConfig:
     # workload it cut per-token ITL p99 from ~420 to ~60-90 ms against 512 (fewer decode steps share the batch
     # with a prefill chunk), at the price of longer single stalls (ITL max); see BENCHMARKS.md.
     max_num_batched_tokens: int = 2048
+    # Prompt tokens (prefill chunks) a step may carry beside decodes, with chunked prefill; None = whatever the
+    # budget leaves. A step's time grows with its prefill tokens, and every running stream waits for the step.
+    max_prefill_tokens_while_decoding: int | None = None
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # tokens (prompt + output) one request may hold; None = the model's limit
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
@@ -96,6 +99,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or (self.max_model_len or 1) < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+        if (self.max_prefill_tokens_while_decoding or 1) < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1 (or None)")
 
     @property
     def token_budget(self) -> int:

@@ -19,6 +19,7 @@ from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBat
 from twospeed.model.llama import LlamaForCausalLM
 
 GiB = 1 << 30
+SHORT_CHUNK = 8  # multi-token chunks this short run through the decode path of the attention
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -81,6 +82,19 @@ class ModelRunner:
         span_tables = []
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
+            if c.num_tokens <= SHORT_CHUNK:
+                # A few tokens on a context (grammar-forced tokens, a short prompt or last chunk): attend as that
+                # many decodes, query i at position start + i over its own prefix. A prefill pass would sweep
+                # (the fast kernel: transpose) the whole context's V for them, every layer.
+                lens = list(range(c.start + 1, ctx + 1))
+                width = -(-ctx // bs)
+                meta.decodes.append(DecodeGroup(
+                    start=offset, num_tokens=c.num_tokens,
+                    block_tables=torch.tensor([table[:width]] * c.num_tokens, dtype=torch.int64, device=dev),
+                    mask=decode_mask(lens, width * bs, self.sliding_window, dev),
+                    seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev)))
+                offset += c.num_tokens
+                continue
             span_tables.append(table[: -(-ctx // bs)])
             meta.prefills.append(PrefillSpan(
                 start=offset, num_tokens=c.num_tokens, context_len=ctx,

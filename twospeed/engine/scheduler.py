@@ -1,9 +1,12 @@
 """Continuous batching with one token-accounting rule.
 
 Every request has `num_computed_tokens` of `num_tokens`. Each step fills a
-budget of `max_num_batched_tokens`: running requests first (a decode costs one
-token; a prompt being chunked takes what is left of the budget), then waiting
-requests in policy order, each starting at its prefix-cache hit. There is no
+budget of `max_num_batched_tokens`: running decodes first (one token each),
+then running requests whose prompt is being chunked (they take what is left),
+then waiting requests in policy order, each starting at its prefix-cache hit.
+With `max_prefill_tokens_while_decoding`, a step that carries decodes gives
+prompt chunks at most that many tokens, so a long prompt stretches the gap
+between two tokens of a running stream by a short chunk only. There is no
 prefill phase and no decode phase: chunked prefill, prefix hits and recompute
 after preemption all fall out of the same loop. When the KV pool runs dry,
 the lowest-priority running request (fcfs: the latest to arrive) is preempted:
@@ -119,34 +122,46 @@ class Scheduler:
         now = self.clock()
         scheduled: dict[str, ScheduledChunk] = {}
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        # Decodes first: a stream's next token never waits behind a long prompt that is being chunked.
+        # Then prompt chunks of running requests, then waiting requests, in policy order.
+        decodes = [r for r in self.running if _in_decode(r)]
+        queue = decodes + [r for r in self.running if not _in_decode(r)]
+        cap = self.cfg.max_prefill_tokens_while_decoding if self.cfg.enable_chunked_prefill else None
+        prefill_budget = None  # set once the decodes are placed
+        for req in queue:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted by an earlier request of this loop
+            if prefill_budget is None and not _in_decode(req):
+                prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
+            room = budget if prefill_budget is None else min(budget, prefill_budget)
+            if room <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, room)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 victim = max(self.running, key=self._order)
-                j = self.running.index(victim)
                 budget += self._preempt(victim, scheduled, out)
                 if victim is req:
                     break
-                if j < i:
-                    i -= 1  # the list shifted under us
             else:
-                chunk = ScheduledChunk(req, req.num_computed_tokens, n)
-                scheduled[req.request_id] = chunk
+                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
                 budget -= n
-                i += 1
+                if prefill_budget is not None:
+                    prefill_budget -= n
+        if prefill_budget is None:
+            prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
         # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
         out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
 
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not out.preempted:
+        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.cfg.max_num_seqs
+               and not out.preempted):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req.all_token_ids)
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
-            if not self.cfg.enable_chunked_prefill and n > budget:
+            room = min(budget, prefill_budget)
+            if not self.cfg.enable_chunked_prefill and n > room:
                 break
-            n = min(n, budget)
+            n = min(n, room)
             if not self.kv.allocate_slots(req.request_id, num_cached + n, cached):
                 break
             self.waiting.pop(0)
@@ -160,6 +175,7 @@ class Scheduler:
             _bill_cache_hit(req, num_cached)
             out.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
+            prefill_budget -= n
         for chunk in out.chunks:
             _bill_chunk(chunk)
         return out
@@ -190,6 +206,12 @@ class Scheduler:
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.clock.prefill_done is None and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.clock.prefill_done = now
+
+
+def _in_decode(req: Request) -> bool:
+    """Its prompt is computed and it is not recomputing: its next chunk is the token it just sampled
+    (plus any a grammar forced after it)."""
+    return bool(req.output_token_ids) and req.num_computed_tokens >= max(req.high_water, req.num_prompt_tokens)
 
 
 # Billing: each prompt position is billed once, by how the request first got its KV: from the prefix

@@ -37,7 +37,8 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decode tokens of similar context length, attended in one padded batch."""
+    """Single-query rows of similar context length, attended in one padded batch: decode tokens, or the few
+    tokens of a short chunk (the runner's SHORT_CHUNK), each row over its own prefix."""
 
     start: int  # index of its first token in the flat batch
     num_tokens: int
