@@ -74,12 +74,14 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Timing:
     t0 = time.perf_counter()
     first = last = None
     usage_tokens = None
+    tail: list[dict] = []  # the last events, for the error message of a stream without tokens
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:500]
             raise RuntimeError(f"{url}: HTTP {resp.status_code}: {text}")
         async for chunk in sse_events(resp):
             now = time.perf_counter()
+            tail = (tail + [chunk])[-3:]
             # a token event: text, or a choice still running with no text yet (vLLM streams one chunk a token,
             # with text "" while the bytes so far are not valid UTF-8: a random model's byte tokens do that)
             if any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or []):
@@ -89,13 +91,15 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Timing:
                 usage_tokens = chunk["usage"].get("completion_tokens")
     end = time.perf_counter()
     if first is None:
-        raise RuntimeError(f"{url}: the stream carried no token")
+        raise RuntimeError(f"{url}: the stream carried no token; last events: {str(tail)[:600]}")
     return Timing(ttft_s=first - t0, total_s=end - t0, output_tokens=usage_tokens or body["max_tokens"],
                   decode_s=last - first)
 
 
-async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tuple[list[Timing], float]:
-    """Closed loop: `concurrency` requests in flight until `bodies` are done. Returns timings and wall time."""
+async def run_concurrent(url: str, bodies: list[dict], concurrency: int,
+                         errors: list[str] | None = None) -> tuple[list[Timing], float]:
+    """Closed loop: `concurrency` requests in flight until `bodies` are done. Returns timings and wall time.
+    With `errors`, a failed request is appended there (and left out of the timings) instead of raising."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -104,5 +108,9 @@ async def run_concurrent(url: str, bodies: list[dict], concurrency: int) -> tupl
                 return await stream_one(client, url, body)
 
         t0 = time.perf_counter()
-        timings = await asyncio.gather(*(one(b) for b in bodies))
-        return list(timings), time.perf_counter() - t0
+        results = await asyncio.gather(*(one(b) for b in bodies), return_exceptions=errors is not None)
+        wall = time.perf_counter() - t0
+        for r in results:
+            if isinstance(r, BaseException):
+                errors.append(f"{type(r).__name__}: {r}")
+        return [r for r in results if isinstance(r, Timing)], wall

@@ -170,10 +170,14 @@ def concurrent(server: Server, cfg: RunConfig, tokenizer_dir: Path, level: int) 
     prompts = PromptMaker(tokenizer_dir, salt(), cfg.seed + level)
     bodies = [request_body(server.model, prompts.make(cfg.conc_prompt, i), cfg.conc_new)
               for i in range(level * cfg.conc_waves)]
-    timings, wall = asyncio.run(run_concurrent(server.url, bodies, level))
+    errors: list[str] = []
+    timings, wall = asyncio.run(run_concurrent(server.url, bodies, level, errors))
+    if len(errors) * 4 > len(bodies):
+        raise RuntimeError(f"{len(errors)} of {len(bodies)} requests failed, e.g. {errors[0]}")
     out = sum(t.output_tokens for t in timings)
+    # a failed request's tokens are not counted, its time is: the rate stays a lower bound
     return {"requests": len(bodies), "output_tokens": out, "wall_s": wall, "output_tok_s": out / wall,
-            "ttft_p50_s": statistics.median(t.ttft_s for t in timings)}
+            "ttft_p50_s": statistics.median(t.ttft_s for t in timings), "errors": errors}
 
 
 # -- (3) and (4): the lab --------------------------------------------------------------------------------
@@ -351,6 +355,15 @@ def markdown(cfg: RunConfig, results: list[dict], meta: dict) -> str:
             load = r.get("load_own_client")
             lines.append(f"| {r['engine']} | " + " | ".join(cells) + f" | {'-' if load is None else f'{load:.2f}'} |")
         lines.append("")
+        for r in rs:  # what failed, so a missing cell is explained
+            for level, c in sorted(r.get("concurrent", {}).items()):
+                if c.get("errors"):
+                    lines.append(f"- {r['engine']}, {level} concurrent: {len(c['errors'])} of {c['requests']} requests "
+                                 f"failed (tokens not counted), e.g. {c['errors'][0][:300]}")
+            if "error" in r and "batch1" in r:
+                lines.append(f"- {r['engine']}: stopped after a failure: {r['error'][:400]}")
+        if lines[-1] != "":
+            lines.append("")
         if any("mixed" in r for r in rs):
             lines += _lab_tables(cfg, rs)
     lines += ["Settings (benchmarks/peers/serve.py `Settings`): "
