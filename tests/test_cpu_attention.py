@@ -181,3 +181,31 @@ def test_prefill_kernel_matches_portable(case, monkeypatch):
     monkeypatch.setattr(TorchPagedAttention, "prefill", portable_prefill)  # the kernel must do all of it
     got = attn.forward(*args)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(load_bf16_kernel() is None, reason="no AVX-512 BF16: the fused kernels cannot be built")
+@pytest.mark.parametrize("case", [2, 3, 4])
+def test_fused_rope_and_cache_write_match_the_unfused_path(case):
+    """forward_fused(qkv) == forward(apply_rope(q), apply_rope(k), v): the same output and the same cache bits."""
+    from twospeed.config import ModelConfig
+    from twospeed.model.llama import RotaryEmbedding, apply_rope
+
+    spans, decodes, heads, kv_heads, head_dim, block_size, window = PREFILL_CASES[case]
+    q, k, v, k_cache, v_cache, meta = prefill_batch(spans, decodes, heads, kv_heads, head_dim, block_size, window,
+                                                    seed=case)
+    t = q.shape[0]
+    g = torch.Generator().manual_seed(case)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(torch.bfloat16)
+    cfg = ModelConfig("LlamaForCausalLM", 100, 32, 64, 1, heads, kv_heads, head_dim, rope_theta=10000.0)
+    positions = torch.tensor([n - 1 for n in decodes] + [p for c, n in spans for p in range(c - n, c)])
+    cos, sin = RotaryEmbedding(cfg, 1024, torch.bfloat16).lookup(positions)
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * head_dim].view(t, -1, head_dim), cos, sin)
+    rq, rk = qk.split([heads, kv_heads], dim=1)
+    rv = qkv[:, (heads + kv_heads) * head_dim:].view(t, kv_heads, head_dim)
+    attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
+    ref_cache = [k_cache.clone(), v_cache.clone()]
+    expected = attn.forward(rq, rk, rv, *ref_cache, meta)
+    assert attn.fused_rope_ok(qkv)
+    got = attn.forward_fused(qkv, cos, sin, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, ref_cache[0]) and torch.equal(v_cache, ref_cache[1])
+    assert torch.equal(got, expected)

@@ -49,6 +49,8 @@ def load_bf16_kernel() -> ctypes.CDLL | None:
     kernel.prefill_attention_bf16.restype = None
     kernel.decode_attention_bf16.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
     kernel.decode_attention_bf16.restype = None
+    kernel.rope_write_bf16.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 5
+    kernel.rope_write_bf16.restype = None
     limits = [ctypes.c_int() for _ in range(2)]
     kernel.attention_bf16_limits(*(ctypes.byref(x) for x in limits))
     kernel.limits = tuple(x.value for x in limits)  # (max G, max head_dim)
@@ -92,6 +94,30 @@ class CpuPagedAttention(TorchPagedAttention):
             fn(q[s].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                out[s].data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
                tables.shape[1], self.window, self.scale, threads)
+
+    def fused_rope_ok(self, qkv: torch.Tensor) -> bool:
+        """forward_fused applies: bf16 on CPU with both kernels (its prefill must not need the fresh k, v), and a
+        decode-sized step: the kernel's RoPE is scalar, slower than torch's vector ops over a long prefill
+        (1024 tokens: +18 ms) and faster where torch's per-op dispatch dominates (batch 1: -0.5 ms a step)."""
+        return (qkv.shape[0] <= 64 and self.prefill_kernel is not None and qkv.dtype == torch.bfloat16
+                and qkv.device.type == "cpu" and qkv.stride(1) == 1)
+
+    def forward_fused(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """RoPE on q and k, the cache write and the attention: `forward` for the fused qkv projection's output
+        [T, (H + 2 KVH) hd] with this step's cos and signed sin [T, 1, hd] (as RotaryEmbedding.lookup gives)."""
+        t = qkv.shape[0]
+        q = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        self.prefill_kernel.rope_write_bf16(
+            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), meta.slot_mapping.data_ptr(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, self.num_heads, self.num_kv_heads,
+            self.head_dim, torch.get_num_threads())
+        out = torch.empty_like(q)
+        self.decode(q, k_cache, v_cache, meta, out)
+        if meta.prefills:
+            self.prefill(q, None, None, k_cache, v_cache, meta, out)
+        return out
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:

@@ -102,11 +102,16 @@ class Attention(nn.Module):
         # built under load_model's default device and dtype, which pick the backend
         self.attn = make_attention(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype())
+        # one C pass for RoPE + cache write where the backend has it (Qwen3's q/k norms come first: not fused)
+        self.fused_rope = hasattr(self.attn, "forward_fused") and self.q_norm is None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [T, (H + 2 KVH) * hd]
+        if self.fused_rope and self.attn.fused_rope_ok(qkv):  # the CPU kernels: RoPE, cache write, attention
+            o = self.attn.forward_fused(qkv, *rope, kv_cache[0], kv_cache[1], meta)
+            return self.o_proj.forward(o.view(t, self.q_size))
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is None:
             # q and k heads side by side: one RoPE pass over [T, H + KVH, hd]

@@ -291,3 +291,27 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
     }
     free(vt); free(vt_off); free(task_off);
 }
+
+/* RoPE on q and k and the cache write, one pass (decode steps paid ~10 small torch ops per layer for it).
+ * qkv: [T, (H + 2 KVH) D] rows (stride ldqkv); cos, sin_signed: [T, D] (this step's positions, model dtype);
+ * q_out: [T, H, D]; k and v go to cache slot slots[t]. As HF in bf16: x * cos and roll(x, D/2) * sin are each
+ * rounded, then their sum. */
+void rope_write_bf16(const uint16_t *qkv, int64_t ldqkv, const uint16_t *cos, const uint16_t *sin_signed,
+                     const int64_t *slots, uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, int T, int H,
+                     int KVH, int D, int threads) {
+    const int half = D / 2;
+    #pragma omp parallel for num_threads(T >= 16 ? threads : 1) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *row = qkv + t * ldqkv, *c = cos + (int64_t)t * D, *s = sin_signed + (int64_t)t * D;
+        for (int h = 0; h < H + KVH; h++) {
+            const uint16_t *x = row + (int64_t)h * D;
+            uint16_t *dst = h < H ? q_out + ((int64_t)t * H + h) * D : k_cache + (slots[t] * KVH + (h - H)) * D;
+            for (int d = 0; d < D; d++) {
+                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[d]) * bf16_to_f32(c[d])));
+                const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[(d + half) % D]) * bf16_to_f32(s[d])));
+                dst[d] = f32_to_bf16(a + b);
+            }
+        }
+        memcpy(v_cache + slots[t] * KVH * D, row + (int64_t)(H + KVH) * D, sizeof(uint16_t) * KVH * D);
+    }
+}
