@@ -3,9 +3,11 @@
 Run:  .venv/bin/python benchmarks/bench_fastpath.py [--dtype bfloat16|float32] [--threads 2] [--quick]
           [--out BENCHMARKS.md | --no-write]
 
-Variants (EngineConfig fields): `portable` (linear_backend="torch", attention_backend="torch"), `onednn`
-(oneDNN-reordered bf16 weights and the in-place paged decode kernel: the default engine before the linear
-kernel), `fast` (the C linear kernel and the decode kernel: the default engine). Each variant's engine is built once; then, round-robin over the variants so that drift of this VM
+Variants, each adding one fast path to the one before (EngineConfig fields, then kernels switched off on the
+built model): `portable` (torch ops only), `onednn` (oneDNN-reordered bf16 weights and the portable C decode
+kernel, csrc/paged_attention.c: the default engine before the C linear kernel), `+linear` (csrc/linear_bf16.c),
+`+attention` (csrc/attention_bf16.c: bf16 decode and prefill attention), `fast` (+ the fused residual/RMSNorm,
+SiLU-and-multiply and RoPE/cache-write kernels: the default engine). Each variant's engine is built once; then, round-robin over the variants so that drift of this VM
 hits them alike, each measures:
   decode step at batch B and context C (median step time of pure-decode steps: B requests with C-token prompts,
   prefilled first, then stepped), and a 1024-token prefill (one unchunked 1024-token prompt, median over rounds).
@@ -31,11 +33,26 @@ from bench_engine import append_report, cpu_model, git_state, write_checkpoint  
 
 from twospeed import LLM, SamplingParams  # noqa: E402
 
-VARIANTS = {
-    "portable": dict(linear_backend="torch", attention_backend="torch"),
-    "onednn": dict(linear_backend="onednn", attention_backend="auto"),
-    "fast": dict(linear_backend="auto", attention_backend="auto"),
+VARIANTS = {  # name: (EngineConfig fields, bf16 attention kernels on, fused small-op kernels on)
+    "portable": (dict(linear_backend="torch", attention_backend="torch"), False, False),
+    "onednn": (dict(linear_backend="onednn", attention_backend="auto"), False, False),
+    "+linear": (dict(linear_backend="auto", attention_backend="auto"), False, False),
+    "+attention": (dict(linear_backend="auto", attention_backend="auto"), True, False),
+    "fast": (dict(linear_backend="auto", attention_backend="auto"), True, True),
 }
+
+
+def switch_kernels(llm: LLM, bf16_attention: bool, fused: bool) -> None:
+    """Turn the built model's optional CPU kernels off (they are on by default where they build)."""
+    from twospeed.model.cpu_attention import CpuPagedAttention
+    from twospeed.model.llama import MLP, Attention, RMSNorm
+    for m in llm.engine.model.modules():
+        if isinstance(m, (RMSNorm, MLP)):
+            m.use_kernel = fused
+        if isinstance(m, Attention):
+            m.fused_rope = m.fused_rope and fused
+            if isinstance(m.attn, CpuPagedAttention) and not bf16_attention:
+                m.attn.bf16_kernel = m.attn.prefill_kernel = None
 
 
 def decode_step(llm: LLM, batch: int, ctx: int, steps: int, rng: random.Random) -> float:
@@ -82,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
         write_checkpoint(path, dtype, seed=0)
-        llms = {name: LLM(str(path), dtype=args.dtype, skip_tokenizer_init=True, num_gpu_blocks=32 * 2100 // 16 + 64,
-                          max_num_batched_tokens=2048, **opts) for name, opts in VARIANTS.items()}
+        llms = {}
+        for name, (opts, bf16_attention, fused) in VARIANTS.items():
+            llms[name] = LLM(str(path), dtype=args.dtype, skip_tokenizer_init=True,
+                             num_gpu_blocks=32 * 2100 // 16 + 64, max_num_batched_tokens=2048, **opts)
+            switch_kernels(llms[name], bf16_attention, fused)
         check = [random.Random(5).randrange(3, 32000) for _ in range(200)]
         ref = None
         agree = {}

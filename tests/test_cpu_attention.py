@@ -205,7 +205,7 @@ def test_fused_rope_and_cache_write_match_the_unfused_path(case):
     attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
     ref_cache = [k_cache.clone(), v_cache.clone()]
     expected = attn.forward(rq, rk, rv, *ref_cache, meta)
-    assert attn.fused_rope_ok(qkv)
+    assert attn.fused_rope_ok(qkv) == (t <= 64)  # longer steps keep torch's vector RoPE; the kernel is exact anyway
     got = attn.forward_fused(qkv, cos, sin, k_cache, v_cache, meta)
     assert torch.equal(k_cache, ref_cache[0]) and torch.equal(v_cache, ref_cache[1])
     assert torch.equal(got, expected)

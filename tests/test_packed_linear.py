@@ -97,21 +97,27 @@ def test_packed_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path, 
     assert load_model(tmp_path, torch.float32).logits_packed is None  # fp32 keeps the portable path
 
 
-@needs_onednn
-@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
-def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch):
+def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
+    """The same prompts, greedy with logprobs, through an engine per linear backend (chunked: steps mix
+    decodes and prefill chunks)."""
     write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
     vocab = ARCH_CONFIGS[arch][2]["vocab_size"]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 33, 70)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     runs = []
-    for backend in ("torch", "onednn"):
+    for backend in backends:
         llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
-                  max_num_batched_tokens=24)  # chunked: steps mix decodes and prefill chunks
+                  max_num_batched_tokens=24)
         assert (llm.engine.model.logits_packed is not None) == (backend != "torch")
         runs.append(llm.generate(prompts, params))
-    for a, b in zip(*runs):
+    return runs
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch):
+    for a, b in zip(*greedy_runs(tmp_path, arch, ("torch", "onednn"))):
         assert a.token_ids == b.token_ids
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
 
@@ -120,14 +126,7 @@ def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_engine_with_the_kernel_agrees_with_the_portable_path(tmp_path, arch):
     """Greedy tokens equal, or at the first difference a near tie: each side's token in the other's top 3."""
-    write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
-    vocab = ARCH_CONFIGS[arch][2]["vocab_size"]
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 33, 70)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    runs = [LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
-                max_num_batched_tokens=24).generate(prompts, params) for backend in ("torch", "cpu")]
-    for a, b in zip(*runs):
+    for a, b in zip(*greedy_runs(tmp_path, arch, ("torch", "cpu"))):
         for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
             if ta != tb:
                 assert ta in b.logprobs[i].top and tb in a.logprobs[i].top

@@ -46,7 +46,8 @@ def build_library(name: str) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: %s uses the portable torch path", name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers it may include
+    key = hashlib.sha256(text + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     lib = cache_root() / "kernels" / f"{name}-{key}.so"
     try:
         if not lib.exists():
@@ -61,3 +62,14 @@ def build_library(name: str) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or e
         log.warning("kernel %s unavailable (%s): using the portable torch path", name, detail)
         return None
+
+
+def load_library(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """build_library(name) with each function's argument types set (they all return void)."""
+    lib = build_library(name)
+    if lib is None:
+        return None
+    for fn, argtypes in signatures.items():
+        getattr(lib, fn).argtypes = argtypes
+        getattr(lib, fn).restype = None
+    return lib

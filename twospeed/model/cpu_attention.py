@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
-from twospeed.model.cbuild import build_library
+from twospeed.model.cbuild import load_library
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -26,13 +26,11 @@ _I = ctypes.c_int
 
 @lru_cache(maxsize=1)
 def load_kernel() -> ctypes.CDLL | None:
-    """The kernel library (built once per source, compiler and CPU; model/cbuild.py), or None."""
-    kernel = build_library("paged_attention")
+    """csrc/paged_attention.c (built once per source, compiler and CPU; model/cbuild.py), or None."""
+    decode = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
+    kernel = load_library("paged_attention", {"paged_decode_bf16": decode, "paged_decode_f32": decode})
     if kernel is None:
         return None
-    for name in ("paged_decode_bf16", "paged_decode_f32"):
-        getattr(kernel, name).argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
-        getattr(kernel, name).restype = None
     limits = [ctypes.c_int() for _ in range(3)]
     kernel.paged_attention_limits(*(ctypes.byref(x) for x in limits))
     kernel.limits = tuple(x.value for x in limits)  # (max G, max head_dim, max block_size)
@@ -41,16 +39,13 @@ def load_kernel() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def load_bf16_kernel() -> ctypes.CDLL | None:
-    """csrc/attention_bf16.c (AVX-512 BF16: decode and prefill), or None where it cannot be built."""
-    kernel = build_library("attention_bf16")
+    """csrc/attention_bf16.c (AVX-512 BF16: decode, prefill, RoPE + cache write), or None where it cannot be built."""
+    kernel = load_library("attention_bf16", {
+        "prefill_attention_bf16": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I],
+        "decode_attention_bf16": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I],
+        "rope_write_bf16": [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 5})
     if kernel is None:
         return None
-    kernel.prefill_attention_bf16.argtypes = [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I]
-    kernel.prefill_attention_bf16.restype = None
-    kernel.decode_attention_bf16.argtypes = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
-    kernel.decode_attention_bf16.restype = None
-    kernel.rope_write_bf16.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 5
-    kernel.rope_write_bf16.restype = None
     limits = [ctypes.c_int() for _ in range(2)]
     kernel.attention_bf16_limits(*(ctypes.byref(x) for x in limits))
     kernel.limits = tuple(x.value for x in limits)  # (max G, max head_dim)

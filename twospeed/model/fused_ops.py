@@ -13,21 +13,15 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from twospeed.model.cbuild import build_library
+from twospeed.model.cbuild import load_library
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 @lru_cache(maxsize=1)
 def fused_kernel() -> ctypes.CDLL | None:
-    lib = build_library("fused_bf16")
-    if lib is None:
-        return None
-    lib.add_rms_norm_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I]
-    lib.add_rms_norm_bf16.restype = None
-    lib.silu_mul_bf16.argtypes = [_P, _L, _P, _I, _I, _I]
-    lib.silu_mul_bf16.restype = None
-    return lib
+    return load_library("fused_bf16", {"add_rms_norm_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I],
+                                       "silu_mul_bf16": [_P, _L, _P, _I, _I, _I]})
 
 
 def _kernel_for(x: torch.Tensor) -> ctypes.CDLL | None:

@@ -23,7 +23,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from twospeed.model.cbuild import build_library
+from twospeed.model.cbuild import load_library
 
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -32,14 +32,10 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 @lru_cache(maxsize=1)
 def linear_kernel() -> ctypes.CDLL | None:
     """csrc/linear_bf16.c, built on first use (model/cbuild.py); None without a compiler or AVX-512 BF16."""
-    lib = build_library("linear_bf16")
-    if lib is None:
-        return None
-    lib.linear_bf16_pack.argtypes = [_P, _P, _I, _I, _I]
-    lib.linear_bf16_pack.restype = None
-    lib.linear_bf16.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]
-    lib.linear_bf16.restype = None
-    lib.tile_rows = lib.linear_bf16_tile_rows()
+    lib = load_library("linear_bf16", {"linear_bf16_pack": [_P, _P, _I, _I, _I],
+                                       "linear_bf16": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]})
+    if lib is not None:
+        lib.tile_rows = lib.linear_bf16_tile_rows()
     return lib
 
 

@@ -13,16 +13,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define MAXG 16
 #define MAXD 256
 #define MAXBS 64
 
-static inline float bf16_to_f32(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v; v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 static inline float f32_id(float x) { return x; }
 
 int paged_attention_limits(int *max_g, int *max_d, int *max_bs) { *max_g = MAXG; *max_d = MAXD; *max_bs = MAXBS; return 0; }
