@@ -74,13 +74,7 @@ class ModelRunner:
         d = meta.num_decode_tokens
         context_lens = [c.start + 1 for c in ordered[:d]]
         for lo, hi in decode_groups(context_lens):
-            width = max(len(t) for t in tables[lo:hi])
-            meta.decodes.append(DecodeGroup(
-                start=lo, num_tokens=hi - lo,
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[lo:hi]],
-                                          dtype=torch.int64, device=dev),
-                mask=decode_mask(context_lens[lo:hi], width * bs, self.sliding_window, dev),
-                seq_lens=torch.tensor(context_lens[lo:hi], dtype=torch.int64, device=dev)))
+            meta.decodes.append(self._decode_group(lo, tables[lo:hi], context_lens[lo:hi]))
         offset = d
         span_tables = []
         for c, table in zip(ordered[d:], tables[d:]):
@@ -89,13 +83,8 @@ class ModelRunner:
                 # A token or two on a context (a grammar-forced token, a one-token prompt or last chunk): attend
                 # as that many decodes, query i at position start + i over its own prefix. A prefill pass would
                 # sweep (the fast kernel: transpose) the whole context's V for them, every layer.
-                lens = list(range(c.start + 1, ctx + 1))
-                width = -(-ctx // bs)
-                meta.decodes.append(DecodeGroup(
-                    start=offset, num_tokens=c.num_tokens,
-                    block_tables=torch.tensor([table[:width]] * c.num_tokens, dtype=torch.int64, device=dev),
-                    mask=decode_mask(lens, width * bs, self.sliding_window, dev),
-                    seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev)))
+                meta.decodes.append(self._decode_group(offset, [table[: -(-ctx // bs)]] * c.num_tokens,
+                                                       list(range(c.start + 1, ctx + 1))))
                 offset += c.num_tokens
                 continue
             span_tables.append(table[: -(-ctx // bs)])
@@ -117,6 +106,16 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
         return logits, [c for c in ordered if c.samples]
+
+    def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        """Single-query rows [start, start + len(lens)): block tables padded to the longest, their mask."""
+        width = max(len(t) for t in tables)
+        dev = self.device
+        return DecodeGroup(
+            start=start, num_tokens=len(lens),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev),
+            mask=decode_mask(lens, width * self.block_size, self.sliding_window, dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev))
 
 
 def decode_groups(context_lens: list[int], max_padding: float = 1.25) -> list[tuple[int, int]]:

@@ -123,32 +123,24 @@ class Scheduler:
         scheduled: dict[str, ScheduledChunk] = {}
 
         # Decodes first: a stream's next token never waits behind a long prompt that is being chunked.
-        # Then prompt chunks of running requests, then waiting requests, in policy order.
+        # Then prompt chunks of running requests (within the cap when decodes run), then waiting requests.
         decodes = [r for r in self.running if _in_decode(r)]
-        queue = decodes + [r for r in self.running if not _in_decode(r)]
-        cap = self.cfg.max_prefill_tokens_while_decoding if self.cfg.enable_chunked_prefill else None
-        prefill_budget = None  # set once the decodes are placed
-        for req in queue:
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted by an earlier request of this loop
-            if prefill_budget is None and not _in_decode(req):
-                prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
-            room = budget if prefill_budget is None else min(budget, prefill_budget)
-            if room <= 0:
+        prompts = [r for r in self.running if not _in_decode(r)]
+        for req in decodes:
+            if budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, room)
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                victim = max(self.running, key=self._order)
-                budget += self._preempt(victim, scheduled, out)
-                if victim is req:
-                    break
-            else:
-                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
-                budget -= n
-                if prefill_budget is not None:
-                    prefill_budget -= n
-        if prefill_budget is None:
-            prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
+            if req.status == RequestStatus.RUNNING:  # not preempted by an earlier one of this loop
+                n, freed = self._place(req, budget, scheduled, out)
+                budget += freed - n
+        cap = self.cfg.max_prefill_tokens_while_decoding if self.cfg.enable_chunked_prefill else None
+        prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
+        for req in prompts:
+            if min(budget, prefill_budget) <= 0:
+                break
+            if req.status == RequestStatus.RUNNING:
+                n, freed = self._place(req, min(budget, prefill_budget), scheduled, out)
+                budget += freed - n
+                prefill_budget -= n
         # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
         out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
 
@@ -179,6 +171,20 @@ class Scheduler:
         for chunk in out.chunks:
             _bill_chunk(chunk)
         return out
+
+    def _place(self, req: Request, room: int, scheduled: dict[str, ScheduledChunk],
+               out: SchedulerOutput) -> tuple[int, int]:
+        """Schedule up to `room` tokens of running `req`, preempting the lowest-priority running requests while
+        blocks run out (possibly `req` itself). Returns (tokens scheduled, budget given back by preemptions)."""
+        n = min(req.num_tokens - req.num_computed_tokens, room)
+        freed = 0
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            victim = max(self.running, key=self._order)
+            freed += self._preempt(victim, scheduled, out)
+            if victim is req:
+                return 0, freed
+        scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
+        return n, freed
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
         """Free the victim's blocks and send it back to waiting; returns budget given back."""

@@ -36,8 +36,7 @@ class RMSNorm(nn.Module):
         self.use_kernel = True  # the fused C op where it applies (model/fused_ops.py); False: torch ops only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's order: normalise in float32, round to the model dtype, then scale
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, None, self.use_kernel)[0]
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), the add as HF's `residual + hidden_states` (in place)."""
