@@ -1,6 +1,6 @@
 """The split clock and the split bill on a real (tiny) checkpoint, and the step stats that sum to them.
 
-Clock: every timestamp in lifecycle order, the derived numbers exactly as DESIGN.md defines them,
+Clock: every timestamp in lifecycle order, the derived numbers exactly as docs/ARCHITECTURE.md defines them,
 chunked prefill stretching a long prompt over several steps while short requests decode beside it.
 Bill: prompt = cached + prefilled, block-aligned prefix hits, recompute only after a preemption,
 and the per-step token counts in `engine.last_stats` adding up to the per-request bills.

@@ -2,7 +2,7 @@
 
 The clock holds raw timestamps (seconds, time.monotonic()) stamped by the
 scheduler and the engine; every derived number (queue_time, prefill_time, ttft,
-itl, tpot, ttlt) is computed from them exactly as DESIGN.md defines it. The
+itl, tpot, ttlt) is computed from them exactly as docs/ARCHITECTURE.md defines it. The
 bill counts every token by kind.
 """
 
@@ -31,7 +31,7 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True)
 class Clock:
-    """Lifecycle timestamps of one request; derived fields follow DESIGN.md's split clock."""
+    """Lifecycle timestamps of one request; derived fields follow the split clock of docs/ARCHITECTURE.md."""
 
     arrival: float
     first_scheduled: float | None = None

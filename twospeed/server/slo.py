@@ -6,7 +6,7 @@ optional percentile and a threshold:
 
     --slo drafting:ttft_p99=500ms,itl_p99=60ms --slo nightly:ttlt=30s,priority=5
 
-Metrics (DESIGN.md's split clock): queue, prefill, ttft, itl, tpot, ttlt. Units: us, ms, s, m.
+Metrics (the split clock of docs/ARCHITECTURE.md): queue, prefill, ttft, itl, tpot, ttlt. Units: us, ms, s, m.
 `priority=N` sets the lane's scheduling priority (used with --scheduling-policy priority).
 
 Judging one request: for queue/prefill/ttft/tpot/ttlt the request's own value is compared
