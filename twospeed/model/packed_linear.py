@@ -7,8 +7,9 @@ from memory. Two packings, picked by `linear_backend`:
   once per step. Against oneDNN's prepacked kernels, on two Zen 4 cores: 1.5-2.3x at 1 row, 1.2-1.8x at 4-8
   rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per output, as
   oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding step.
-- "onednn": oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every call). Results are
-  bit-identical to `F.linear` at every batch size.
+- "onednn": oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every call). On Zen 4 the
+  results were bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
+  kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
 - "auto": the C kernel where it builds (a C compiler and AVX-512 BF16) and the input width is even, else
   oneDNN where it has bf16 kernels, else the plain `nn.Linear`. Any other device or dtype keeps `nn.Linear`.
 
