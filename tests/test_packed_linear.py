@@ -18,7 +18,8 @@ from torch import nn
 from conftest import ARCH_CONFIGS, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
-from twospeed.model.packed_linear import PackedLinear, can_use_onednn, linear_kernel, resolve_linear_backend
+from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, PackedLinear, can_use_onednn, has_amx, linear_kernel,
+                                          resolve_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
 needs_kernel = pytest.mark.skipif(linear_kernel() is None, reason="no C compiler or no AVX-512 BF16 on this CPU")
@@ -60,16 +61,31 @@ def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
     lin, x = bf16_linear(shape, bias, rows, rows)
     packed = PackedLinear.from_linear(lin, "cpu")
     assert packed.backend == ("cpu" if shape[0] % 2 == 0 else "onednn")  # odd input width: no k pairs
-    y = packed(x)
+    kernel = packed._kernel if packed.backend == "cpu" else packed  # the C kernel itself, at every row count
+    y = kernel(x)
     assert y.shape == (rows, shape[1]) and y.dtype == torch.bfloat16
     assert within_one_rounding(y, x, lin)
+    assert within_one_rounding(packed(x), x, lin)  # what forward picks (on AMX CPUs: oneDNN beyond a few rows)
     assert within_one_rounding(F.linear(x, lin.weight, lin.bias), x, lin)  # the bound F.linear meets too
     if rows:
         # rows are independent: each alone gives what it gave in the batch
-        assert torch.equal(packed(x[-1:]), y[-1:])
+        assert torch.equal(kernel(x[-1:]), y[-1:])
         # a strided row view (a slice of a wider tensor) reads the same numbers
         wide = torch.cat([x, torch.zeros(rows, 6, dtype=x.dtype)], dim=1)[:, :shape[0]]
-        assert torch.equal(packed(wide), y)
+        assert torch.equal(kernel(wide), y)
+
+
+@needs_kernel
+def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
+    lin, _ = bf16_linear((64, 130), False, 1, 0)
+    packed = PackedLinear.from_linear(lin, "cpu")
+    assert (packed.weight_wide is not None) == (has_amx() and can_use_onednn("cpu", torch.bfloat16))
+    if packed.weight_wide is None:
+        pytest.skip("no AMX here: the kernel takes every row count")
+    few, many = (torch.randn(n, 64, dtype=torch.bfloat16) for n in (AMX_KERNEL_MAX_ROWS, AMX_KERNEL_MAX_ROWS + 1))
+    assert torch.equal(packed(few), packed._kernel(few))
+    onednn = PackedLinear.from_linear(lin, "onednn")
+    assert torch.equal(packed(many), onednn(many))
 
 
 @needs_kernel

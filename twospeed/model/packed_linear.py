@@ -7,6 +7,10 @@ from memory. Two packings, picked by `linear_backend`:
   once per step. Against oneDNN's prepacked kernels, on two Zen 4 cores: 1.5-2.3x at 1 row, 1.2-1.8x at 4-8
   rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per output, as
   oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding step.
+  On CPUs with AMX (Sapphire Rapids and later) oneDNN's AMX tiles beat the kernel from a few rows up (2-10x
+  at 8-64 rows, single thread), so there a "cpu" linear also keeps oneDNN's packing of the same weight and
+  sends steps of more than `AMX_KERNEL_MAX_ROWS` rows (prefill chunks, wide decode batches) to it: twice the
+  weight memory, no extra bytes read per step.
 - "onednn": oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every call). On Zen 4 the
   results were bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
   kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
@@ -27,6 +31,10 @@ from torch import nn
 from twospeed.model.cbuild import load_library
 
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
+# On AMX CPUs, rows up to this many take the C kernel, more take oneDNN's AMX path. Single-thread ratios
+# kernel/oneDNN on a Sapphire Rapids core (768x2304, 768x4096, 2048x768, 768x32000): 1 row 0.46-0.86,
+# 2 rows 0.70-0.94, 4 rows 0.47-1.05, 8 rows 0.97-2.39, 16 rows 1.1-6.1 (BENCHMARKS.md).
+AMX_KERNEL_MAX_ROWS = 4
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -44,6 +52,12 @@ def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     """oneDNN bf16 kernels exist for this CPU (AVX-512 BF16 / AMX, or their emulation on AVX-512)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+@lru_cache(maxsize=1)
+def has_amx() -> bool:
+    """oneDNN can use AMX tiles here (then it beats the C kernel beyond a few rows)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
@@ -72,6 +86,7 @@ class PackedLinear(nn.Module):
             backend = "onednn" if can_use_onednn(weight.device, weight.dtype) else "torch"  # pairs of k only
         self.backend = backend
         w = weight.detach()
+        wide = None  # oneDNN's packing for steps of many rows (AMX CPUs, "cpu" backend)
         if backend == "cpu":
             lib = linear_kernel()
             tiles = -(-self.out_features // lib.tile_rows)
@@ -79,12 +94,15 @@ class PackedLinear(nn.Module):
             w = w.contiguous()
             lib.linear_bf16_pack(w.data_ptr(), packed.data_ptr(), self.out_features, self.in_features,
                                  torch.get_num_threads())
+            if has_amx() and can_use_onednn(w.device, w.dtype):
+                wide = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         elif backend == "onednn":
             # the batch-size hint 1 picks the layout for decode's few rows; prefill-sized inputs ran as fast
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         else:
             packed = w
         self.register_buffer("weight_packed", packed, persistent=False)
+        self.register_buffer("weight_wide", wide, persistent=False)
         self.bias = bias
 
     @classmethod
@@ -93,6 +111,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "cpu":
+            if self.weight_wide is not None and x.numel() > AMX_KERNEL_MAX_ROWS * self.in_features:
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight_wide, self.bias, "none", [], "")
             return self._kernel(x)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
