@@ -269,3 +269,22 @@ def test_traced_jobs_replay_in_turn_order(tmp_path, counter):
     runs, seen = _run_jobs(w, planner, counter)
     assert [b["prompt"] for b in seen] == ["first", "second"] and seen[1]["max_tokens"] == 3
     assert runs[0].tool_s >= 0.02 and runs[0].error is None
+
+
+def test_prefix_check_names_the_timestamp(counter):
+    """prefix-score over a lane's prompts as sent: stable prompts diverge after the prefix, stamped ones inside it."""
+    from twospeed.lab import prefix_score
+
+    def check(planner):
+        plan = planner.open_loop(6, None)
+        rendered = [prefix_score.render({"prompt": p.prompt}, counter.model_tokenizer) for p in plan]
+        return prefix_score.lane_check(rendered, [p.meta["prefix"] for p in plan])
+
+    lane = {"name": "a", "kind": "agent", "prefix_tokens": 1200, "prompt_tokens": 100}
+    stable = check(Planner(parse_workload({"lanes": [lane]}), PlanConfig(salt="s"), counter))
+    assert stable["declared_prefix_prompts"] == 6 and stable["unstable_prompts"] == 0
+    assert stable["predicted_hit_rate"] > 0.7 and stable["first_unstable"] is None
+    unstable = check(Planner(parse_workload({"lanes": [lane]}), PlanConfig(salt="s", unstable_prefix=True), counter))
+    assert unstable["unstable_prompts"] == 5 and unstable["predicted_hit_rate"] < 0.05
+    first = unstable["first_unstable"]
+    assert first["context"].endswith("time: 2026-12-01 09:00:0") and first["char_offset"] < 60  # the seconds differ

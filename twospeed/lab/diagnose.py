@@ -104,12 +104,13 @@ def summary_target(dumps: list[int]) -> int:
 
 
 def summarize_dumps(f: Facts) -> str | None:
-    dumps = [t for t in f.observations if t >= MIN_DUMP]
-    if f.unit != "jobs" or not dumps or f.share("prefill") < SIGNIFICANT:
+    results = [t for t in f.observations if t >= MIN_DUMP]
+    if f.unit != "jobs" or not results or f.share("prefill") < SIGNIFICANT:
         return None
-    target = summary_target(dumps)
-    excess = sum(t - target for t in dumps if t > target)
-    if excess < DUMP_SHARE * f.prefilled_tokens * f.calls:
+    target = summary_target(results)
+    dumps = [t for t in results if t > target]
+    excess = sum(t - target for t in dumps)
+    if not dumps or excess < DUMP_SHARE * f.prefilled_tokens * f.calls:
         return None
     per_dump = excess / len(dumps)
     drop = (f" At the measured {f.prefill_s_per_token * 1e6:,.0f} µs per prefilled token that is ~"
@@ -122,14 +123,15 @@ def summarize_dumps(f: Facts) -> str | None:
 
 
 def cut_prompt(f: Facts) -> str | None:
-    if f.share("prefill") < SIGNIFICANT or f.prefilled_tokens < LARGE_PROMPT:
+    if f.share("prefill") < SIGNIFICANT or f.problem_tokens[1] < LARGE_PROMPT:
         return None
     if summarize_dumps(f):
         return None  # the dumps explain it: summarize_dumps says so
-    half = f" Halving the new part saves ~{_ms(f.prefilled_tokens / 2 * f.prefill_s_per_token)} of TTFT per call." \
+    prompt, prefilled = f.problem_tokens
+    half = f" Halving the new part saves ~{_ms(prefilled / 2 * f.prefill_s_per_token)} of TTFT per call." \
         if f.prefill_s_per_token else ""
-    return (f"prefill is {f.share('prefill'):.0%} of the {_where(f)} time; prompts average {f.prompt_tokens:,.0f} tokens, "
-            f"{f.prefilled_tokens:,.0f} of them prefilled ({(f.cached_share or 0):.0%} cached).{half}")
+    return (f"prefill is {f.share('prefill'):.0%} of the {_where(f)} time; their prompts average {prompt:,.0f} tokens, "
+            f"{prefilled:,.0f} of them prefilled.{half}")
 
 
 def stabilize_prefix(f: Facts) -> str | None:

@@ -38,6 +38,7 @@ class Facts:
     errors: int = 0
     prompt_tokens: float = 0.0  # means per call
     prefilled_tokens: float = 0.0
+    problem_tokens: tuple[float, float] = (0.0, 0.0)  # mean prompt and prefilled tokens of the problem set's calls
     cached_share: float | None = None  # measured: cached / prompt tokens
     cache_reported: bool = False  # the server says how many tokens it served from cache
     prefill_s_per_token: float | None = None  # measured prefill seconds per prefilled token
@@ -172,6 +173,7 @@ def lane_facts(doc: dict, lane: str) -> Facts:
     f.gate_rate = summary["gate"]["rate"]
     _calls_facts(f, calls, doc["run"])
     missed_time: dict[str, float] = {}
+    problem_calls: list[dict] = []
     if jobs:
         by_job: dict[int, list[dict]] = {}
         for r in calls:
@@ -190,9 +192,11 @@ def lane_facts(doc: dict, lane: str) -> Facts:
                         f.misses_by[m] = f.misses_by.get(m, 0) + 1
                 if late:
                     _add(missed_time, parts)
+                    problem_calls += by_job.get(j["index"], [])
                 else:
                     for r in slow_calls:
                         _add(missed_time, _blame(r))
+                    problem_calls += slow_calls
     else:
         for r in calls:
             if r["error"] is None:
@@ -203,8 +207,12 @@ def lane_facts(doc: dict, lane: str) -> Facts:
                 for m in misses:
                     f.misses_by[m] = f.misses_by.get(m, 0) + 1
                 _add(missed_time, _blame(r))
+                problem_calls.append(r)
     if f.missed:
         f.problem, f.time = "missed", missed_time
     elif not f.objective:
-        f.problem, f.time = "all", dict(f.visible)
+        f.problem, f.time, problem_calls = "all", dict(f.visible), calls
+    ok = [r for r in problem_calls if r["error"] is None]
+    if ok:
+        f.problem_tokens = (_mean(r["prompt_tokens"] for r in ok), _mean(r["prefilled_tokens"] for r in ok))
     return f
