@@ -139,19 +139,33 @@ def test_unstable_prefix_and_the_digest(counter):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_prompts_bill_exactly_what_the_lane_asks(counter, endpoint):
-    """prefix_tokens + prompt_tokens, with the salt line, BOS and the chat wrapper inside the count."""
-    for name in ("mixed", "chat", "nightly"):
+    """prefix_tokens + prompt_tokens, with the salt line, BOS and the chat wrapper inside the count: every
+    built-in lane (rag's passages and agent's tool schemas included), and a lane asking for 240."""
+    for name in ("mixed", "chat", "agent", "rag"):
         w = load_workload(name)
+        w.lanes = [lane for lane in w.lanes if endpoint == "completions" or lane.kind != "nightly"]
         for lane in w.lanes:
             lane.endpoint = endpoint
-        plan = Planner(w, PlanConfig(seed=3, salt="deadbeef"), counter).open_loop(60, None)
-        for p in plan:
-            assert counter.billed(p.prompt, endpoint) == p.meta["prompt_tokens"]
-        fixed = parse_workload({"lanes": [{"name": "x", "kind": "chat", "endpoint": endpoint, "prompt_tokens": 240},
-                                          {"name": "y", "kind": "agent", "endpoint": endpoint, "prefix_tokens": 1200,
-                                           "prompt_tokens": 240}]})
-        for p in Planner(fixed, PlanConfig(salt="deadbeef"), counter).open_loop(8, None):
-            assert counter.billed(p.prompt, endpoint) == (240 if p.lane == "x" else 1440)
+        lanes = {lane.name: lane for lane in w.lanes}
+        for p in Planner(w, PlanConfig(seed=3, salt="deadbeef"), counter).open_loop(30 if name != "rag" else 4, None):
+            lane = lanes[p.lane]
+            assert p.meta["prompt_tokens_asked"] >= lane.prefix_tokens + lane.prompt_tokens.min
+            assert counter.billed(p.prompt, endpoint) == p.meta["prompt_tokens"] == p.meta["prompt_tokens_asked"]
+    fixed = parse_workload({"lanes": [{"name": "x", "kind": "chat", "endpoint": endpoint, "prompt_tokens": 240},
+                                      {"name": "y", "kind": "agent", "endpoint": endpoint, "prefix_tokens": 1200,
+                                       "prompt_tokens": 240}]})
+    for p in Planner(fixed, PlanConfig(salt="deadbeef"), counter).open_loop(8, None):
+        assert counter.billed(p.prompt, endpoint) == (240 if p.lane == "x" else 1440)
+
+
+def test_a_lane_asking_less_than_its_template_is_counted(counter):
+    """A nightly row (its template alone is ~40 tokens here) asked for 20: sent at its minimum, and counted."""
+    w = parse_workload({"lanes": [{"name": "n", "kind": "nightly", "prompt_tokens": 20}]})
+    plan = Planner(w, PlanConfig(salt="deadbeef"), counter).open_loop(3, None)
+    assert all(p.meta["prompt_tokens"] > p.meta["prompt_tokens_asked"] == 20 for p in plan)
+    records = [{"prompt_tokens": p.meta["prompt_tokens"], "prompt_tokens_asked": 20} for p in plan]
+    fit = results.prompt_fit(records + [{"prompt_tokens": 5, "prompt_tokens_asked": 5}])
+    assert fit["asked"] == 4 and fit["off"] == 3 and fit["max_over"] == max(p.meta["prompt_tokens"] for p in plan) - 20
 
 
 def test_context_cap_ends_the_job(counter):

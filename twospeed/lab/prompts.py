@@ -79,6 +79,10 @@ class TokenCounter:
             return None
         return tok.apply_chat_template(messages, add_generation_prompt=True)
 
+    def ids(self, text: str) -> list[int]:
+        """Token ids of the raw text (needs the tokenizer)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
     def truncate(self, text: str, tokens: int) -> str:
         """The first `tokens` tokens of `text` (all of it when shorter; estimated by words without a tokenizer)."""
         if self.tokenizer is None:
@@ -97,16 +101,21 @@ class Prompt:
 
 
 def words(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
-    """Filler of `tokens` tokens: exactly that many with a tokenizer (drawn long, then cut), else estimated."""
+    """Filler of `tokens` tokens: exactly that many with a tokenizer (drawn long, then cut), else estimated.
+    The words come from a child generator (one draw of `rng`), so a longer filler only appends words: the
+    prompt around it draws the same, and its length in context grows by exactly what was asked."""
     if tokens <= 0:
         return ""
+    child = np.random.default_rng(int(rng.integers(2**63)))
     n = counter.words_for(tokens)
     if not counter.exact:
-        return " ".join(rng.choice(WORDS, size=n).tolist())
-    text = " ".join(rng.choice(WORDS, size=n + n // 3 + 4).tolist())
-    while counter.count(text) < tokens:  # a word list that tokenizes short: draw more
-        text += " " + " ".join(rng.choice(WORDS, size=n // 2 + 4).tolist())
-    return counter.truncate(text, tokens)
+        return " ".join(child.choice(WORDS, size=n).tolist())
+    text = " ".join(child.choice(WORDS, size=n + n // 3 + 4).tolist())
+    ids = counter.ids(text)
+    while len(ids) < tokens:  # a word list that tokenizes short: draw more
+        text += " " + " ".join(child.choice(WORDS, size=n // 2 + 4).tolist())
+        ids = counter.ids(text)
+    return text if len(ids) == tokens else counter.tokenizer.decode(ids[:tokens])
 
 
 def agent_prefix(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
@@ -130,8 +139,10 @@ def agent(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
 def rag(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
     n = max(2, new_tokens // 180)
     ids = sorted({f"P{int(x):03d}" for x in rng.choice(999, size=n, replace=False)})
-    per = max(4, new_tokens // len(ids))
-    passages = "\n".join(f"[{pid}] {words(rng, counter, per)}" for pid in ids)
+    per, extra = divmod(new_tokens, len(ids))  # the remainder spread over the first passages: any length fits
+    if per < 4:
+        per, extra = 4, 0
+    passages = "\n".join(f"[{pid}] {words(rng, counter, per + (i < extra))}" for i, pid in enumerate(ids))
     text = (f"{prefix}RETRIEVED PASSAGES:\n{passages}\nQUESTION: {words(rng, counter, 16)}?\n"
             "Answer in two sentences and cite the passage ids you used, like [P012].\nANSWER:")
     return Prompt(text, {"passage_ids": ids})

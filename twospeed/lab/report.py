@@ -111,6 +111,11 @@ def print_summary(doc: dict, console) -> None:
     for name, lane in doc["lanes"].items():
         for f in lane["gate"].get("failures", []):
             console.print(f"  gate failures in {name}: {f['count']} x {f['reason']}")
+        fit = lane.get("prompt_fit") or {}
+        if fit.get("off"):
+            console.print(f"[bold yellow]note[/]: lane {name}: {fit['off']} of {fit['asked']} prompts billed other "
+                          f"than asked (up to {fit['max_over']} over, {fit['max_under']} under): the lane asks for less "
+                          "than its template takes, or the server's tokenizer is not --tokenizer")
 
 
 # -- plots ------------------------------------------------------------------------------------------

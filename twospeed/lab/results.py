@@ -23,7 +23,7 @@ from twospeed.lab.workload import SLO, Workload
 SCHEMA_VERSION = 2  # 2: job lanes (jobs, job and turn per request), throughput, prefix checks, diagnosis
 METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
 CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens",
-              "cached_tokens", "prefilled_tokens", "observation_tokens", "output_tokens", "max_tokens", "needed_tokens",
+              "prompt_tokens_asked", "cached_tokens", "prefilled_tokens", "observation_tokens", "output_tokens", "max_tokens", "needed_tokens",
               "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "call_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
               "token_source", "server_queue_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
@@ -98,7 +98,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "step": info.step if info else None, "status": resp.status, "error": resp.error,
         "intended_s": resp.intended, "sent_s": resp.sent,
         "lag_s": None if resp.intended is None else resp.sent - resp.intended,
-        **b, "observation_tokens": info.observation_tokens if info else None,
+        **b, "prompt_tokens_asked": p.meta.get("prompt_tokens_asked"),
+        "observation_tokens": info.observation_tokens if info else None,
         "observations": list(info.observations) if info else [], "call_kind": info.kind if info else None,
         "max_tokens": p.max_tokens,
         "needed_tokens": answer_stats.needed_tokens(resp.text, b["output_tokens"], info_gate(resp, gate_config),
@@ -151,7 +152,16 @@ def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s:
         "goodput": {"requests": good, "rate": good / n if n else None, "tokens": b["goodput_tokens"]},
         "bill": {**b, **billing.money(b, price)},
         "throughput": throughput(len(ok), b["output_tokens"], wall_s),
+        "prompt_fit": prompt_fit(ok),
     }
+
+
+def prompt_fit(records: list[dict]) -> dict:
+    """Billed prompt tokens against what the lane asked for: prompts billed otherwise are ones whose lane asks
+    for less than its template takes, or a server whose tokenizer is not --tokenizer."""
+    asked = [r for r in records if r.get("prompt_tokens_asked") is not None]
+    off = [r["prompt_tokens"] - r["prompt_tokens_asked"] for r in asked if r["prompt_tokens"] != r["prompt_tokens_asked"]]
+    return {"asked": len(asked), "off": len(off), "max_over": max(off, default=0), "max_under": -min(off, default=0)}
 
 
 def throughput(completed: int, output_tokens: int, wall_s: float | None) -> dict:

@@ -25,6 +25,7 @@ from twospeed.lab.job_spec import Summarize
 from twospeed.lab.workload import Lane, Workload
 
 FIT_ROUNDS = 8  # rebuilds to land a prompt on its exact token count (BPE merges at the seams shift it by a few)
+PAD_MIN = 4  # a padding line needs this many tokens of room
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class Planner:
         self.salt = f"[run {config.salt}]\n" if config.salt else ""
         self.prefixes = {lane.name: self._prefix(lane, i, None) for i, lane in enumerate(workload.lanes)}
         self.turns: dict[str, int] = {}
+        self.overhead: dict[str, int] = {}  # per lane: billed tokens beyond prefix + new part (template, BOS, salt)
 
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.config.seed, *key])
@@ -148,34 +150,58 @@ class Planner:
         turn = self.turns[lane.name] = self.turns.get(lane.name, 0) + 1
         state = rng.bit_generator.state
 
-        def make(body: int) -> prompts.Prompt:
+        def make(pad: str, body: int) -> prompts.Prompt:
             rng.bit_generator.state = state
-            return prompts.BUILDERS[lane.kind](rng, self.counter, prefix, body, turn)
+            return prompts.BUILDERS[lane.kind](rng, self.counter, prefix + pad, body, turn)
 
-        p, n = self._fit(lane, make, round(lane.prefix_tokens * self.config.scale), new)
+        asked = self._target(round(lane.prefix_tokens * self.config.scale), new)
+        p, n = self._fit(lane, make, round(lane.prefix_tokens * self.config.scale), asked)
         return Planned(index, lane.name, offset, p.text, max_tokens,
-                       {**p.meta, "prefix": prefix if shared else "", "prompt_tokens": n})
+                       {**p.meta, "prefix": prefix if shared else "", "prompt_tokens": n, "prompt_tokens_asked": asked})
 
-    def _fit(self, lane: Lane, make: Callable[[int], prompts.Prompt], prefix_tokens: int,
-             new: int) -> tuple[prompts.Prompt, int]:
-        """The prompt billing prefix_tokens + new tokens (capped at max_prompt_tokens), by resizing its new part.
-        Exact with the target's tokenizer, unless the lane asks for fewer tokens than its template takes (then
-        the smallest prompt). Returns the prompt and its billed tokens."""
+    def _target(self, prefix_tokens: int, new: int) -> int:
         cap = self.config.max_prompt_tokens
-        target = prefix_tokens + new if cap is None else min(prefix_tokens + new, cap)
-        body, best = max(1, target - prefix_tokens), None
+        return prefix_tokens + new if cap is None else min(prefix_tokens + new, cap)
+
+    def _fit(self, lane: Lane, make: Callable[[str, int], prompts.Prompt], prefix_tokens: int,
+             target: int) -> tuple[prompts.Prompt, int]:
+        """The prompt billing `target` tokens. First the new part is resized by the miss; where a builder's
+        structure shifts with the size (rag's passage count) and jumps over the target, a padding line of the
+        missing tokens goes between the prefix and the new part. Exact with the target's tokenizer, unless the
+        lane asks for fewer tokens than its prefix and template take (then the smallest prompt; the run's summary
+        counts such prompts). Returns the prompt and its billed tokens."""
+        cap = self.config.max_prompt_tokens
+        tried: dict[tuple[int, int], tuple[prompts.Prompt, int]] = {}
+
+        def attempt(body: int, pad: int = 0) -> int:
+            if (body, pad) not in tried:
+                filler = f"{prompts.words(np.random.default_rng(pad), self.counter, pad)}\n" if pad else ""
+                p = make(filler, body)
+                tried[body, pad] = (p, self.counter.billed(p.text, lane.endpoint))
+            return tried[body, pad][1]
+
+        # start from the template overhead the lane's last prompt had: most prompts then fit at once
+        body = max(1, target - prefix_tokens - self.overhead.get(lane.name, 0))
         for _ in range(FIT_ROUNDS):
-            p = make(body)
-            n = self.counter.billed(p.text, lane.endpoint)
-            if (cap is None or n <= cap) and (best is None or abs(n - target) < abs(best[1] - target)):
-                best = (p, n)
+            n = attempt(body)
             if n == target or (n > target and body <= 1):
                 break
             body = max(1, body + target - n)
-        if best is None:
+        self.overhead[lane.name] = max(0, n - body - prefix_tokens)
+        under = [k for k, (_, n) in tried.items() if n < target - PAD_MIN]
+        if self.counter.exact and not any(n == target for _, n in tried.values()) and under:
+            body = max(under, key=lambda k: tried[k][1])[0]
+            pad = target - tried[body, 0][1] - 1  # the newline costs a token
+            for _ in range(FIT_ROUNDS // 2):
+                n = attempt(body, max(1, pad))
+                if n == target:
+                    break
+                pad += target - n
+        fits = [pn for pn in tried.values() if cap is None or pn[1] <= cap]
+        if not fits:
             raise ValueError(f"lane {lane.name!r}: the shared prefix alone is over --max-prompt-tokens {cap}; "
                              f"lower --scale")
-        return best
+        return min(fits, key=lambda pn: abs(pn[1] - target))
 
     # -- open loop ---------------------------------------------------------------------------------
     def open_loop(self, n: int | None, duration: float | None) -> list[Planned]:
