@@ -58,7 +58,7 @@ def test_nothing_wrong_says_so():
     doc = run([req(cached=150) for _ in range(20)], slo=SLO, prefix=prefix, prefix_tokens=150)
     keys, d = levers(doc)
     assert keys == [] and d.problem == "none" and d.missed == 0
-    assert d.verdict.startswith("nothing to fix: all 20 requests met TTFT ≤ 1,000 ms, ITL p99 ≤ 100 ms")
+    assert d.verdict.startswith("nothing to fix: all 20 requests met TTFT ≤ 1,000 ms, ITL p99 ≤ 100 ms and no lever")
     assert "decode" in d.verdict and d.notes == []
 
 
@@ -121,18 +121,32 @@ def test_stop_on_schema_from_length_or_from_what_the_gate_needed():
                       ignore_eos=True))[0] == []
 
 
-def test_chunk_budget_when_itl_misses_come_with_interference():
+def test_chunk_budget_when_itl_misses_are_stalls():
     gaps = [0.02] * 30 + [0.4] * 3
     slow = [req(gaps=gaps, out=34, interfered=5, steps=33, missed="itl") for _ in range(6)]
     keys, d = levers(run(slow, slo=SLO))
     assert keys == ["chunk_budget"] and d.dominant == "decode"
-    assert "6 of 6 ITL misses" in d.levers[0].evidence
+    ev = d.levers[0].evidence
+    assert "6 of 6 ITL misses are other work in their steps: 6 are stalls" in ev
+    assert "typical gap 20 ms" in ev and "gaps up to 400 ms" in ev and "6 came with at least as many interfered" in ev
+    # prefills that ran whole (chunking off): no interfered step counted, still a stall, and the lever says why
+    alone = [req(gaps=[0.0] * 10 + gaps, out=44, interfered=0, steps=33, missed="itl") for _ in range(6)]
+    keys, d = levers(run(alone, slo=SLO))
+    assert keys == ["chunk_budget"] and "chunked prefill off?" in d.levers[0].evidence
+    assert "typical gap 20 ms" in d.levers[0].evidence  # jump-forward's zero gaps left out
+    # slow throughout, but every slow step carried a prefill chunk: still interference, not bandwidth
+    busy = [req(gaps=[0.3] * 33, out=34, call=10.0, interfered=33, steps=33, missed="itl") for _ in range(6)]
+    keys, d = levers(run(busy, slo=SLO))
+    assert keys == ["chunk_budget"] and "0 are stalls" in d.levers[0].evidence
 
 
 def test_quantize_or_capacity_when_the_steps_themselves_are_slow():
     slow = [req(gaps=[0.15] * 33, out=34, call=5.2, interfered=0, steps=33, missed="itl") for _ in range(6)]
     keys, d = levers(run(slow, slo=SLO))
-    assert keys == ["quantize_or_capacity"] and "ITL p50 150 ms" in d.levers[0].evidence
+    assert keys == ["quantize_or_capacity"] and "6 of 6 ITL misses are slow steps with no prefill" in d.levers[0].evidence
+    assert "typical gap 150 ms" in d.levers[0].evidence
+    blind = [dict(r, server_interfered_steps=None) for r in slow]  # no server clock: cannot tell, no accusation
+    assert levers(run(blind, slo=SLO))[0] == []
 
 
 def test_add_capacity_when_the_queue_dominates():

@@ -30,7 +30,7 @@ UNSTABLE_SHARE = 0.25  # share of prompts diverging inside their shared prefix
 CACHE_SHORTFALL = 0.5  # measured hit below this fraction of the predicted one: the server is not keeping it
 LONG_ANSWERS = 0.5  # answers running to max_tokens
 NEEDED_SHARE = 0.5  # the gate needed under this share of the output
-INTERFERED = 0.5  # share of ITL misses blamed on interference
+INTERFERED = 0.5  # share of ITL misses that must be stalls (or slow steps) for their lever
 REPEATS = 0.4  # output words a prompt-lookup draft would have guessed
 SLOW_GATE = 0.2  # gate share of the problem time
 
@@ -80,8 +80,8 @@ class Diagnosis:
         if self.problem == "all":
             return f"no objective set; {self.dominant} dominates user-visible time: {split}."
         if not self.levers:
-            return (f"nothing to fix: all {self.n} {self.unit} met {self.objective or 'their objectives'}, answers "
-                    f"stopped on their own, the cache served what the prefix allows. User-visible time: {split}.")
+            return (f"nothing to fix: all {self.n} {self.unit} met {self.objective or 'their objectives'} and no "
+                    f"lever applies. User-visible time: {split}.")
         return f"all {self.n} {self.unit} met {self.objective}, but tokens are spent for nothing. User-visible: {split}."
 
     def as_dict(self) -> dict:
@@ -177,23 +177,29 @@ def stop_on_schema(f: Facts) -> str | None:
 
 
 def chunk_budget(f: Facts) -> str | None:
-    if f.itl_misses == 0 or f.itl_interfered < INTERFERED * f.itl_misses:
+    if f.itl_misses == 0 or f.itl_blamed < INTERFERED * f.itl_misses:
         return None
-    share = f"; {f.interfered_share:.0%} of this lane's decode steps shared the batch with a prefill chunk" \
-        if f.interfered_share is not None else ""
-    return (f"{f.itl_interfered} of {f.itl_misses} ITL misses came with at least as many interfered steps as slow "
-            f"gaps{share}; ITL p99 {_ms(f.itl_p99)} vs the {_ms(f.itl_objective_s)} objective (p50 {_ms(f.itl_p50)}). "
-            f"A smaller chunk budget (--max-num-batched-tokens) or a prefill cap beside decodes keeps steps short.")
+    share = (f" ({f.interfered_share:.0%} of this lane's decode steps shared the batch with a prefill chunk)"
+             if f.interfered_share else "")
+    if f.itl_interfered:
+        cause = f"{f.itl_interfered} came with at least as many interfered steps as slow gaps{share}"
+    else:
+        cause = ("no slow gap shared its step with a prefill chunk, so other requests' prefills ran whole between "
+                 "the decode steps (chunked prefill off?)")
+    return (f"{f.itl_blamed} of {f.itl_misses} ITL misses are other work in their steps: {f.itl_stalls} are stalls "
+            f"(typical gap {_ms(f.itl_missed_p50)} against the {_ms(f.itl_objective_s)} objective, gaps up to "
+            f"{_ms(f.itl_missed_max)}), {cause}. Chunked prefill with a smaller chunk budget (--max-num-batched-tokens) "
+            f"or a prefill cap beside decodes keeps every step short.")
 
 
 def bandwidth_bound(f: Facts) -> str | None:
-    known = f.itl_misses - f.itl_unknown
-    if f.itl_misses == 0 or known <= 0 or f.itl_interfered >= INTERFERED * f.itl_misses:
+    slow = f.itl_misses - f.itl_blamed
+    if f.itl_misses == 0 or slow < INTERFERED * f.itl_misses or f.itl_unknown == f.itl_misses:
         return None
-    return (f"{f.itl_misses} ITL misses, {f.itl_interfered} of them with interference: the decode steps themselves "
-            f"are slow (ITL p50 {_ms(f.itl_p50)}, p99 {_ms(f.itl_p99)} vs {_ms(f.itl_objective_s)}). Each step reads "
-            f"every weight and the whole KV cache: fewer bytes (quantize, judged by `twospeed gate`) or more "
-            f"replicas for smaller batches.")
+    return (f"{slow} of {f.itl_misses} ITL misses are slow steps with no prefill beside them (typical gap "
+            f"{_ms(f.itl_missed_p50)} against the {_ms(f.itl_objective_s)} objective). Each decode step reads every "
+            f"weight and the whole KV cache: fewer bytes (quantize, judged by `twospeed gate`) or more replicas for "
+            f"smaller batches.")
 
 
 def add_capacity(f: Facts) -> str | None:

@@ -20,6 +20,7 @@ from twospeed.lab.job_results import call_split
 CALL_PARTS = ("queue", "prefill", "decode")
 JOB_PARTS = ("queue", "prefill", "decode", "tool", "gate")
 BLAME = {"ttft": ("queue", "prefill"), "itl": ("decode",), "completion_window": CALL_PARTS}
+STALL_FRACTION = 0.5  # an ITL miss whose median gap is under this share of the objective is a stall
 
 
 @dataclass(slots=True)
@@ -57,8 +58,12 @@ class Facts:
     itl_p99: float | None = None
     itl_objective_s: float | None = None
     itl_misses: int = 0
-    itl_interfered: int = 0  # of those, blamed on interference (>= as many interfered steps as slow gaps)
-    itl_unknown: int = 0  # of those, with no server clock to tell
+    itl_stalls: int = 0  # of those, stalls: the stream's typical gap is fine, a few gaps are long
+    itl_interfered: int = 0  # of those, with at least as many interfered steps as slow gaps (the server's count)
+    itl_unknown: int = 0  # of those, with no server clock to count interfered steps
+    itl_blamed: int = 0  # of those, stalls or interfered: something else ran in their slow steps
+    itl_missed_p50: float | None = None  # the ITL misses' typical gap (jump-forward's zero gaps left out)
+    itl_missed_max: float | None = None
     interfered_share: float | None = None  # interfered / decode steps over the lane
     repeat_share: float | None = None
     queue_p90: float | None = None
@@ -106,20 +111,30 @@ def _add(into: dict[str, float], d: dict[str, float]) -> None:
         into[k] = into.get(k, 0.0) + v
 
 
-def _itl_misses(calls: list[dict], threshold_s: float | None) -> tuple[int, int, int]:
-    """(ITL misses, those blamed on interference, those the server's clock cannot tell)."""
-    misses = interfered = unknown = 0
+def _itl_misses(f: Facts, calls: list[dict]) -> None:
+    """Classify the ITL misses: a stall (the stream's median gap under STALL_FRACTION of the objective, its tail
+    over: something else ran in those steps) or slow steps throughout; and whether the server counted
+    interfered steps (shared with a prefill chunk) for the slow gaps."""
+    threshold = f.itl_objective_s
+    typical, longest = [], []
     for r in calls:
         if "itl" not in _missed(r):
             continue
-        misses += 1
+        f.itl_misses += 1
+        gaps = [g for g in r["itl_s"] if g > 0] or [0.0]
+        median = float(np.median(gaps))
+        typical.append(median)
+        longest.append(max(gaps))
+        stall = threshold is not None and median <= STALL_FRACTION * threshold
+        f.itl_stalls += stall
         steps = r.get("server_interfered_steps")
-        if steps is None:
-            unknown += 1
-            continue
-        slow = sum(g > threshold_s for g in r["itl_s"]) if threshold_s else 1
-        interfered += steps > 0 and steps >= slow
-    return misses, interfered, unknown
+        slow = sum(g > threshold for g in gaps) if threshold else 1
+        interfered = steps is not None and steps > 0 and steps >= slow
+        f.itl_unknown += steps is None
+        f.itl_interfered += interfered
+        f.itl_blamed += stall or interfered
+    f.itl_missed_p50 = float(np.median(typical)) if typical else None
+    f.itl_missed_max = max(longest) if longest else None
 
 
 def _calls_facts(f: Facts, calls: list[dict], run: dict) -> None:
@@ -146,7 +161,7 @@ def _calls_facts(f: Facts, calls: list[dict], run: dict) -> None:
     gaps = [g for r in ok for g in r["itl_s"]]
     f.itl_p50 = float(np.percentile(gaps, 50)) if gaps else None
     f.itl_p99 = float(np.percentile(gaps, 99)) if gaps else None
-    f.itl_misses, f.itl_interfered, f.itl_unknown = _itl_misses(ok, f.itl_objective_s)
+    _itl_misses(f, ok)
     steps = [r for r in ok if r.get("server_decode_steps")]
     f.interfered_share = (sum(r["server_interfered_steps"] or 0 for r in steps) /
                           sum(r["server_decode_steps"] for r in steps)) if steps else None
