@@ -103,9 +103,11 @@ def summary_target(dumps: list[int]) -> int:
     return max(32, min(SUMMARY_TOKENS, typical // 4 // 16 * 16))
 
 
-def summarize_dumps(f: Facts) -> str | None:
+def summarize_prediction(f: Facts) -> dict | None:
+    """What summarizing the job lane's dumps would save: the target size, prefilled tokens per dump, and the
+    TTFT drop on the turn after a dump at the measured prefill time per token (None when no dumps matter)."""
     results = [t for t in f.observations if t >= MIN_DUMP]
-    if f.unit != "jobs" or not results or f.share("prefill") < SIGNIFICANT:
+    if f.unit != "jobs" or not results:
         return None
     target = summary_target(results)
     dumps = [t for t in results if t > target]
@@ -113,13 +115,22 @@ def summarize_dumps(f: Facts) -> str | None:
     if not dumps or excess < DUMP_SHARE * f.prefilled_tokens * f.calls:
         return None
     per_dump = excess / len(dumps)
+    return {"target_tokens": target, "dumps": len(dumps), "dump_tokens": sum(dumps) / len(dumps),
+            "saved_tokens_per_dump": per_dump, "prefilled_share": excess / (f.prefilled_tokens * f.calls),
+            "ttft_drop_s": per_dump * f.prefill_s_per_token if f.prefill_s_per_token else None}
+
+
+def summarize_dumps(f: Facts) -> str | None:
+    p = summarize_prediction(f)
+    if p is None or f.share("prefill") < SIGNIFICANT:
+        return None
     drop = (f" At the measured {f.prefill_s_per_token * 1e6:,.0f} µs per prefilled token that is ~"
-            f"{_ms(per_dump * f.prefill_s_per_token)} less TTFT on each turn after a dump." if f.prefill_s_per_token else "")
+            f"{_ms(p['ttft_drop_s'])} less TTFT on each turn after a dump." if p["ttft_drop_s"] is not None else "")
     policy = f" (the policy in force keeps {f.summarize['max_tokens']})" if f.summarize else ""
-    return (f"prefill is {f.share('prefill'):.0%} of the {_where(f)} time; {len(dumps)} tool dumps entered the history at "
-            f"{sum(dumps) / len(dumps):,.0f} tokens on average{policy}, {excess / (f.prefilled_tokens * f.calls):.0%} "
-            f"of all prefilled tokens. Summarizing each to {target} tokens (--summarize-dumps {target}) prefills "
-            f"{per_dump:,.0f} fewer tokens per dump.{drop}")
+    return (f"prefill is {f.share('prefill'):.0%} of the {_where(f)} time; {p['dumps']} tool dumps entered the history "
+            f"at {p['dump_tokens']:,.0f} tokens on average{policy}, {p['prefilled_share']:.0%} of all prefilled "
+            f"tokens. Summarizing each to {p['target_tokens']} tokens (--summarize-dumps {p['target_tokens']}) "
+            f"prefills {p['saved_tokens_per_dump']:,.0f} fewer tokens per dump.{drop}")
 
 
 def cut_prompt(f: Facts) -> str | None:
