@@ -56,8 +56,9 @@ class SyntheticJob:
 
     def __init__(self, spec: JobSpec, endpoint: str, rng: np.random.Generator, counter: prompts.TokenCounter,
                  prefix: Callable[[float], str], scale: float = 1.0, summarize: Summarize | None = None,
-                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None, shared: bool = True):
         self.spec, self.rng, self.counter, self.prefix = spec, rng, counter, prefix
+        self.shared = shared  # the prefix is the lane's shared one (else this job's own: nothing to share)
         self.scale, self.summarize = scale, summarize
         self.max_prompt_tokens, self.max_output_tokens = max_prompt_tokens, max_output_tokens
         self.history = History(prompts.words(rng, counter, self._tokens(spec.task_tokens)), endpoint)
@@ -95,7 +96,8 @@ class SyntheticJob:
         text, messages = self.history.prompt(prefix, step.name, instruction)
         latency = step.gate.latency_ms.sample(self.rng) / 1e3 if step.gate.latency_ms else 0.0
         call = Call(self.turn, step.name, text, messages, max_tokens, step.response_format, step.gate.config, latency,
-                    {"tools": list(self.spec.tools), "prefix": prefix}, [o.tokens for o in observations])
+                    {"tools": list(self.spec.tools), "prefix": prefix if self.shared else ""},
+                    [o.tokens for o in observations])
         self.history.add(Turn(step.name, instruction))
         return self._capped(call)
 

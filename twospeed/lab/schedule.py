@@ -140,7 +140,8 @@ class Planner:
         if lane.job is not None:
             return Planned(index, lane.name, offset, "", 0, job=SyntheticJob(
                 lane.job, lane.endpoint, rng, self.counter, self._prefix_at(lane, prefix) if shared else lambda t: prefix,
-                self.config.scale, self.summarize(lane), self.config.max_prompt_tokens, self.config.max_output_tokens))
+                self.config.scale, self.summarize(lane), self.config.max_prompt_tokens, self.config.max_output_tokens,
+                shared))
         if shared and not self.prefix_stable(lane):
             prefix = self._stamped(prefix, offset if offset is not None else float(index))
         new = max(1, round(lane.prompt_tokens.sample(rng) * self.config.scale))
