@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The latency lab on the demo model: serve it with chunked prefill on, then off; replay a short `mixed`
-# workload against each; print the comparison (about two minutes on two cores).
+# workload against each; print the comparison and each run's diagnosis (about two minutes on two cores).
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 

@@ -1,2 +1,3 @@
-"""The latency lab: load generation against any OpenAI-compatible endpoint, per-lane reports of both speeds,
-gates, the bill, and A/B comparison (`twospeed bench`, `twospeed compare`, `make demo`)."""
+"""The latency lab: load generation against any OpenAI-compatible endpoint (requests and multi-call agent jobs),
+per-lane reports of both speeds, gates, the bill, A/B comparison and a diagnosis of which speed hurt
+(`twospeed bench`, `twospeed compare`, `twospeed diagnose`, `make demo`)."""

@@ -1,10 +1,12 @@
 """`twospeed bench`: replay a workload against an OpenAI-compatible endpoint and report both speeds per lane.
 
 Open loop (requests go out on the workload's arrival schedule, whatever the server does) unless
-`concurrency` is set (closed loop: that many users, each sending when its last answer is done). Every
-request is streamed and timed token by token (client.py), judged by its lane's gate and SLO, and billed
-(results.py); the server's /metrics is scraped before, during and after. Output: results.json,
-requests.csv and report.html in `out`, and a console summary.
+`concurrency` is set (closed loop: that many users, each sending when its last answer is done). An arrival
+of a job lane is a whole agent job, whose calls go out one after another (job_runner.py). Every request is
+streamed and timed token by token (client.py), judged by its lane's gate and SLO, and billed (results.py);
+jobs get their own clock and bill (job_results.py); the server's /metrics is scraped before, during and
+after; the lane's prompts are scored for prefix stability; every lane is diagnosed (diagnose.py). Output:
+results.json, requests.csv, jobs.csv and report.html in `out`, and a console summary.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import httpx
 import numpy as np
 
 from twospeed.lab import bill as billing
-from twospeed.lab import gates, results, scrape
+from twospeed.lab import diagnose, gates, job_results, prefix_score, results, scrape
 from twospeed.lab.client import Response, stream_request
+from twospeed.lab.job_runner import JobRun, run_job
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planned, Planner
 from twospeed.lab.workload import Price, Workload, load_workload
@@ -47,6 +50,8 @@ class BenchConfig:
     max_output_tokens: int | None = None  # cap on each request's max_tokens
     salt: str | None = None  # None = a fresh random salt (no earlier run's prefix cache can be hit)
     ignore_eos: bool = False  # ask for exactly max_tokens (vLLM/twospeed extension)
+    summarize_dumps: int | None = None  # job lanes: tool dumps enter the history as this many tokens (0 = off)
+    unstable_prefix: bool = False  # stamp the send time into every shared prefix (a harness bug, on purpose)
     label: str | None = None  # a name for this run in comparisons (e.g. "chunked on")
     timeout: float = 600.0  # seconds per request
     kv_block_size: int = 16  # tokens per KV block on the server, for the KV memory of cached prefixes
@@ -95,14 +100,17 @@ def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | s
     """Load and check everything that can be wrong before any traffic is sent."""
     workload = load_workload(cfg.workload)
     for lane in workload.lanes:
-        gates.check_config(lane.gate)
+        for gate in lane.gates():
+            gates.check_config(gate)
     if cfg.price:
         workload.price = Price.parse(cfg.price)
     tok = _tokenizer_path(cfg)
     counter = TokenCounter(tok)
     planner = Planner(workload, PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale,
                                            max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate,
-                                           max_output_tokens=cfg.max_output_tokens), counter)
+                                           max_output_tokens=cfg.max_output_tokens,
+                                           summarize_dumps=cfg.summarize_dumps, unstable_prefix=cfg.unstable_prefix),
+                      counter)
     return workload, planner, counter, tok
 
 
@@ -119,16 +127,25 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
             raise ConnectionError(f"{cfg.url}: HTTP {r.status_code} (an --api-key is needed)")
         before = await scrape.scrape(client, cfg.url)
         responses: list[Response] = []
+        jobs: list[JobRun] = []
         start = time.perf_counter()
         stop, timeline = asyncio.Event(), []
         sampler = asyncio.create_task(scrape.sample_timeline(client, cfg.url, start, timeline, stop))
 
-        async def one(p: Planned) -> Response:
+        async def send(p: Planned) -> Response:
             resp = await stream_request(client, cfg.url, workload.lane(p.lane), p, cfg.model, counter, start,
                                         cfg.ignore_eos)
             responses.append(resp)
-            progress(resp)
             return resp
+
+        async def one(p: Planned) -> None:
+            """One arrival: a request, or a job (its calls strictly one after another)."""
+            if p.job is None:
+                progress((await send(p)).error is not None)
+                return
+            run = await run_job(p, send, start)
+            jobs.append(run)
+            progress(run.error is not None)
 
         if cfg.concurrency is None:
             plan = planner.open_loop(cfg.requests, cfg.duration)
@@ -161,7 +178,8 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
         stop.set()
         await sampler
         after = await scrape.scrape(client, cfg.url)
-    return {"responses": responses, "wall": wall, "before": before, "after": after, "timeline": timeline}
+    return {"responses": responses, "jobs": jobs, "wall": wall, "before": before, "after": after,
+            "timeline": timeline}
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
@@ -179,18 +197,20 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
         task = bar.add_task(workload.name, total=total, errors=0)
         errors = 0
 
-        def progress(resp: Response) -> None:
+        def progress(failed: bool) -> None:
             nonlocal errors
-            errors += resp.error is not None
+            errors += failed
             bar.update(task, advance=1, errors=errors)
 
         raw = asyncio.run(_drive(cfg, workload, planner, counter, progress))
-    doc = assemble(cfg, workload, counter, raw, started, _model_config(tok))
+    doc = assemble(cfg, workload, counter, raw, started, _model_config(tok), planner)
+    doc["diagnosis"] = [d.as_dict() for d in diagnose.diagnose(doc)]
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         results.write_json(doc, out / "results.json")
         results.write_csv(doc["requests"], out / "requests.csv")
+        results.write_csv(doc["jobs"], out / "jobs.csv", job_results.JOB_CSV_FIELDS)
         from twospeed.lab.report import write_html
 
         write_html(doc, out)
@@ -207,11 +227,44 @@ def client_lag(lags: list[float], threshold: float) -> dict:
             "fell_behind": bool(lags) and late > 0.01 * len(lags)}
 
 
+def _prefix_check(responses: list[Response], lane, counter: TokenCounter, block_size: int) -> dict | None:
+    """prefix-score over the lane's prompts as sent (None without the target's tokenizer)."""
+    tok = counter.model_tokenizer
+    if tok is None or not responses:
+        return None
+    rendered, prefixes = [], []
+    for resp in sorted(responses, key=lambda r: r.sent):
+        p = resp.planned
+        chat = lane.endpoint == "chat" and (tok.chat_template is not None)
+        item = {"messages": p.messages or [{"role": "user", "content": p.prompt}]} if chat else {"prompt": p.prompt}
+        rendered.append(prefix_score.render(item, tok))
+        prefixes.append(p.meta.get("prefix", ""))
+    return prefix_score.lane_check(rendered, prefixes, block_size)
+
+
+def _lane_summary(cfg: BenchConfig, workload: Workload, lane, records: list[dict], jobs: list[dict],
+                  responses: list[Response], planner_policy: dict, counter: TokenCounter, wall: float) -> dict:
+    summary = results.lane_summary(records, lane.slo, workload.price, cfg.seed, wall)
+    if jobs:
+        window = lane.job.window_s if lane.job else None
+        summary["jobs"] = job_results.jobs_summary(jobs, window, wall, cfg.seed)
+    summary["policy"] = planner_policy
+    summary["prefix"] = _prefix_check(responses, lane, counter, cfg.kv_block_size)
+    summary["prefix_tokens"] = round(lane.prefix_tokens * cfg.scale)
+    return summary
+
+
 def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: dict, started: str,
-             model_config: dict) -> dict:
-    records = sorted((results.record(r, workload, counter) for r in raw["responses"]), key=lambda r: r["index"])
-    lanes = {lane.name: results.lane_summary([r for r in records if r["lane"] == lane.name], lane.slo,
-                                             workload.price, cfg.seed)
+             model_config: dict, planner: Planner | None = None) -> dict:
+    judged = {id(r): results.record(r, workload, counter) for r in raw["responses"]}
+    records = sorted(judged.values(), key=lambda r: (r["index"], r["turn"] or 0))
+    jobs = sorted((job_results.job_record(run, [judged[id(c)] for c in run.calls],
+                                          _window(workload, run.planned.lane), workload.price)
+                   for run in raw.get("jobs", [])), key=lambda j: j["index"])
+    by_lane = {lane.name: [r for r in raw["responses"] if r.planned.lane == lane.name] for lane in workload.lanes}
+    lanes = {lane.name: _lane_summary(cfg, workload, lane, [r for r in records if r["lane"] == lane.name],
+                                      [j for j in jobs if j["lane"] == lane.name], by_lane[lane.name],
+                                      planner.policy(lane) if planner else None, counter, raw["wall"])
              for lane in workload.lanes if any(r["lane"] == lane.name for r in records)}
     lags = [r["lag_s"] for r in records if r["lag_s"] is not None]
     sources = {r["token_source"] for r in records if r["token_source"]}
@@ -227,15 +280,22 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
                 "started_at": started, "wall_s": raw["wall"], "scale": cfg.scale,
                 "max_prompt_tokens": cfg.max_prompt_tokens, "max_output_tokens": cfg.max_output_tokens,
                 "ignore_eos": cfg.ignore_eos,
+                "policy": {"summarize_dumps": cfg.summarize_dumps, "unstable_prefix": cfg.unstable_prefix},
                 "token_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
                 "server_kind": kind},
         "workload": workload.source,
         "lanes": lanes,
-        "total": results.lane_summary(records, None, workload.price, cfg.seed),
+        "total": results.lane_summary(records, None, workload.price, cfg.seed, raw["wall"]),
         "client": client_lag(lags, cfg.late_threshold),
         "server": {"metrics_delta": scrape.delta(raw["before"], after),
                    "kv_memory": billing.kv_memory(cached_blocks, cfg.kv_block_size,
                                                   billing.kv_bytes_per_token(model_config)),
                    "timeline": raw["timeline"]},
         "requests": records,
+        "jobs": jobs,
     }
+
+
+def _window(workload: Workload, lane_name: str) -> float | None:
+    lane = workload.lane(lane_name)
+    return lane.job.window_s if lane.job else None

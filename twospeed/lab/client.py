@@ -81,6 +81,8 @@ class Response:
     finish_reason: str | None = None
     usage: dict | None = None
     server: dict | None = None  # the request's `twospeed` object (clock, bill, slo) when the server is twospeed
+    finished: float | None = None  # s from run start: the stream was read to its end
+    gate: object = None  # a job call's gate verdict (gates.GateResult), judged by the job runner
 
 
 def request_body(lane: Lane, planned: Planned, model: str, ignore_eos: bool) -> tuple[str, dict]:
@@ -88,10 +90,13 @@ def request_body(lane: Lane, planned: Planned, model: str, ignore_eos: bool) -> 
                   "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    if lane.response_format is not None:
-        body["response_format"] = lane.response_format
+    # A job's calls carry their step's own response_format (a summary or an unconstrained step has none)
+    response_format = lane.response_format if planned.turn is None else planned.response_format
+    if response_format is not None:
+        body["response_format"] = response_format
     if lane.endpoint == "chat":
-        return "/chat/completions", {**body, "messages": [{"role": "user", "content": planned.prompt}]}
+        messages = planned.messages or [{"role": "user", "content": planned.prompt}]
+        return "/chat/completions", {**body, "messages": messages}
     return "/completions", {**body, "prompt": planned.prompt}
 
 
@@ -126,6 +131,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
             resp.status = r.status_code
             if r.status_code != 200:
                 resp.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                resp.finished = time.perf_counter() - run_start
                 return resp
             async for event in sse_events(r):
                 now = time.perf_counter()
@@ -158,4 +164,5 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
         resp.error = f"{type(e).__name__}: {e}"
     resp.text = "".join(texts)
     resp.timing = reconstruct(chunks, send, source)
+    resp.finished = time.perf_counter() - run_start
     return resp

@@ -1,5 +1,5 @@
-"""The lab's subcommands (`twospeed bench`, `twospeed compare`, `twospeed lab-demo`): flags and entry points,
-kept here so twospeed/cli.py only registers them."""
+"""The lab's subcommands (`twospeed bench`, `twospeed compare`, `twospeed diagnose`, `twospeed lab-demo`): flags
+and entry points, kept here so twospeed/cli.py only registers them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import sys
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="API root of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the model id the server expects")
-    p.add_argument("--workload", required=True, help="agent | rag | chat | nightly | mixed | FILE.yaml | TRACE.jsonl")
+    p.add_argument("--workload", required=True,
+                   help="agent | rag | chat | nightly | mixed | agent-jobs | FILE.yaml | TRACE.jsonl")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--requests", type=int, help="send this many requests (default 40)")
+    size.add_argument("--requests", type=int, help="send this many requests (a job lane's arrival is a job; default 40)")
     size.add_argument("--duration", type=float, help="or send for this many seconds")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="total requests/s, open loop (default: each lane's own rate)")
@@ -28,6 +29,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, help="cap every request's max_tokens")
     p.add_argument("--salt", help="first line of every prompt (default: random, so no earlier run's cache is hit)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/twospeed extension)")
+    p.add_argument("--summarize-dumps", type=int, metavar="TOKENS",
+                   help="job lanes: tool results over TOKENS enter the history as TOKENS (0 = off; default: the workload's)")
+    p.add_argument("--unstable-prefix", action="store_true",
+                   help="stamp the send time into every shared prefix, as a careless harness does (defeats the cache)")
     p.add_argument("--label", help="this run's name in comparisons")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--kv-block-size", type=int, default=16, help="the server's KV block size (for KV memory)")
@@ -46,19 +51,54 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from twospeed.lab.bench import run_bench
+    from twospeed.lab.diagnose import print_diagnosis
     from twospeed.lab.report import print_summary
 
-    console = Console()
-    if console.width < 150 and not console.is_terminal:
-        console = Console(width=160)  # a log file or CI: don't squeeze the table to 80 columns
+    console = _console()
     try:
         doc = run_bench(bench_config(args), console)
     except (ValueError, ConnectionError, OSError) as e:
         print(f"twospeed bench: {e}", file=sys.stderr)
         return 2
     print_summary(doc, console)
+    print_diagnosis(doc, console)
     if args.out:
-        console.print(f"wrote {args.out}/results.json, requests.csv, report.html")
+        console.print(f"wrote {args.out}/results.json, requests.csv, jobs.csv, report.html")
+    return 0
+
+
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    if console.width < 150 and not console.is_terminal:
+        console = Console(width=160)  # a log file or CI: don't squeeze the tables to 80 columns
+    return console
+
+
+def add_diagnose_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or results.json files)")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+
+
+def run_diagnose_command(args: argparse.Namespace) -> int:
+    """Reprint the diagnosis of saved runs (recomputed from their results.json, so older runs get one too)."""
+    import json
+
+    from twospeed.lab import results
+    from twospeed.lab.diagnose import diagnose, print_diagnosis
+
+    try:
+        docs = [results.load(r) for r in args.runs]
+    except (ValueError, OSError) as e:
+        print(f"twospeed diagnose: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({run: [d.as_dict() for d in diagnose(doc)] for run, doc in zip(args.runs, docs)}, indent=1))
+        return 0
+    console = _console()
+    for run, doc in zip(args.runs, docs):
+        print_diagnosis(doc, console, doc["run"].get("label") or run)
     return 0
 
 
@@ -68,8 +108,6 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from twospeed.lab.compare import load_runs, print_comparison
 
     try:
@@ -77,8 +115,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"twospeed compare: {e}", file=sys.stderr)
         return 2
-    console = Console()
-    print_comparison(docs, console if console.width >= 150 or console.is_terminal else Console(width=160))
+    print_comparison(docs, _console())
     return 0
 
 

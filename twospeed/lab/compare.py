@@ -3,7 +3,10 @@
 Each later run is set against the first (the baseline): TTFT and ITL (p50, p99; ITL max), gate pass rate, SLO
 attainment, goodput and the bill, with the difference and whether it is beyond the noise: the 95% bootstrap
 intervals of the two percentiles (or Wilson intervals of the two rates) do not overlap. Token counts are
-exact, so they have no noise column. Runs of different workloads or seeds are refused unless forced.
+exact, so they have no noise column. Job lanes add the job's wall time and its parts, tokens per turn, the
+cache hit and job goodput, and a turn-by-turn table (prompt, cached, prefill). Runs of different workloads
+or seeds are refused unless forced; runs that differ only in harness policy (summarized dumps, a stable or
+unstable prefix) compare, and the policy of each is printed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,21 @@ ROWS = (
     ("prefilled input", ("bill", "prefilled_tokens"), None, 1, "", True),
     ("output tokens", ("bill", "output_tokens"), None, 1, "", False),
     ("cost", ("bill", "total_usd"), None, 1, "$", True),
+    ("requests/s", ("throughput", "requests_per_s"), None, 1, "/s", False),
+    ("output tok/s", ("throughput", "output_tokens_per_s"), None, 1, "/s", False),
+)
+# Job lanes only: a job's wall time and where it went, tokens per turn (a turn is one call), job goodput
+JOB_ROWS = (
+    ("job wall p50", ("jobs", "stats", "wall", "p50"), ("jobs", "stats", "wall", "p50_ci"), 1, "s", True),
+    ("job wall p99", ("jobs", "stats", "wall", "p99"), ("jobs", "stats", "wall", "p99_ci"), 1, "s", True),
+    *((f"job {p} (mean)", ("jobs", "stats", p, "mean"), None, 1, "s", True)
+      for p in ("queue", "prefill", "decode", "tool", "gate")),
+    ("prefill per turn p50", ("stats", "prefill", "p50"), ("stats", "prefill", "p50_ci"), 1e3, "ms", True),
+    ("prompt tokens/turn", ("jobs", "per_call", "prompt_tokens"), None, 1, "", True),
+    ("prefilled tokens/turn", ("jobs", "per_call", "prefilled_tokens"), None, 1, "", True),
+    ("cache hit", ("jobs", "per_call", "hit_rate"), None, 100, "%", False),
+    ("jobs in window", ("jobs", "window", "attainment"), ("jobs", "window", "attainment_ci"), 100, "%", False),
+    ("job goodput", ("jobs", "goodput", "rate"), ("jobs", "goodput", "rate_ci"), 100, "%", False),
 )
 
 
@@ -63,7 +81,7 @@ def compare(docs: list[dict]) -> dict[str, list[tuple[str, list[Cell]]]]:
     for lane in [*lanes, "all"]:
         summaries = [d["total"] if lane == "all" else d["lanes"][lane] for d in docs]
         rows = []
-        for label, path, ci_path, scale, _, _ in ROWS:
+        for label, path, ci_path, scale, _, _ in ROWS + (JOB_ROWS if all(s.get("jobs") for s in summaries) else ()):
             base = _get(summaries[0], path)
             cells = []
             for i, s in enumerate(summaries):
@@ -85,6 +103,8 @@ def _fmt(v: float | None, unit: str) -> str:
         return "-"
     if unit == "$":
         return f"${v:.4f}"
+    if unit in ("s", "/s"):
+        return f"{v:,.2f}{unit}"
     return f"{v:,.1f}{unit}" if unit else f"{v:,.0f}"
 
 
@@ -92,7 +112,7 @@ def print_comparison(docs: list[dict], console) -> None:
     from rich.table import Table
 
     names = [d["run"].get("label") or d["run"]["url"] for d in docs]
-    units = {label: (unit, lower) for label, _, _, _, unit, lower in ROWS}
+    units = {label: (unit, lower) for label, _, _, _, unit, lower in ROWS + JOB_ROWS}
     for lane, rows in compare(docs).items():
         table = Table(title=f"lane {lane}" if lane != "all" else "all lanes")
         table.add_column("")
@@ -114,7 +134,45 @@ def print_comparison(docs: list[dict], console) -> None:
                 row.append(f"{'+' if c.diff >= 0 else '-'}{_fmt(abs(c.diff), unit)}{mark}")
             table.add_row(*row)
         console.print(table)
+        if lane != "all" and all(d["lanes"][lane].get("jobs") for d in docs):
+            console.print(turn_table(docs, lane, names))
     console.print("diff: run - base; 'better'/'worse' where the 95% intervals do not overlap, '(noise)' where they do.")
+    for line in policy_lines(docs, names):
+        console.print(line, highlight=False)
+
+
+def turn_table(docs: list[dict], lane: str, names: list[str]):
+    """Turn by turn, per run: mean prompt tokens, cached tokens and prefill time of the lane's jobs."""
+    from rich.table import Table
+
+    table = Table(title=f"lane {lane}: per turn (mean prompt tokens / cached / prefill ms)")
+    table.add_column("turn", justify="right")
+    for n in names:
+        table.add_column(n, justify="right")
+    turns = [{t["turn"]: t for t in d["lanes"][lane]["jobs"]["turns"]} for d in docs]
+    for k in sorted(set().union(*turns)):
+        cells = []
+        for by_turn in turns:
+            t = by_turn.get(k)
+            cells.append("-" if t is None else f"{t['prompt_tokens']:,.0f} / {t['cached_tokens']:,.0f} / "
+                                               f"{_fmt(None if t['prefill_s'] is None else t['prefill_s'] * 1e3, 'ms')}")
+        table.add_row(str(k), *cells)
+    return table
+
+
+def policy_lines(docs: list[dict], names: list[str]) -> list[str]:
+    """The harness policy of each run, per lane, where the runs differ in it."""
+    lines = []
+    for lane in docs[0]["lanes"]:
+        policies = [(d["lanes"].get(lane) or {}).get("policy") for d in docs]
+        if all(p == policies[0] for p in policies):
+            continue
+        for name, p in zip(names, policies):
+            if p is not None:
+                s = p.get("summarize")
+                lines.append(f"policy of {name}, lane {lane}: prefix {'stable' if p['prefix_stable'] else 'unstable'}, "
+                             f"dumps {'kept whole' if not s else 'summarized to %d tokens (%s)' % (s['max_tokens'], s['by'])}")
+    return lines
 
 
 def load_runs(paths: list[str], force: bool = False) -> list[dict]:

@@ -1,6 +1,7 @@
 """`make demo`: the lab in two minutes. Starts `twospeed serve` on the demo model twice (chunked prefill on,
-then off), replays the same short `mixed` workload against each, and prints the comparison, so a newcomer
-sees what a long prompt does to everyone else's ITL and what the prefix cache does to TTFT.
+then off), replays the same short `mixed` workload against each, prints the comparison, and ends with each
+run's diagnosis (which speed hurt each lane, and which lever to pull), so a newcomer sees what a long prompt
+does to everyone else's ITL and what the prefix cache does to TTFT.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from twospeed.lab.bench import BenchConfig, run_bench
 from twospeed.lab.compare import check_comparable, print_comparison
+from twospeed.lab.diagnose import print_diagnosis
 from twospeed.lab.local_server import LocalServer
 from twospeed.lab.report import print_summary
 
@@ -42,6 +44,8 @@ def run_lab_demo(requests: int, rate: float, scale: float, seed: int, out: str) 
     check_comparable(docs)
     console.print("[bold]The same workload, chunked prefill on (base) vs off[/bold]")
     print_comparison(docs, console)
+    for doc in docs:
+        print_diagnosis(doc, console, doc["run"]["label"])
     console.print(f"Runs, requests.csv and report.html with plots are in {out}/; compare them again with "
                   f"`twospeed compare {out}/chunked-prefill-on {out}/chunked-prefill-off`.")
     return 0

@@ -260,6 +260,27 @@ def score_prompts(prompts: Sequence[RenderedPrompt], block_size: int = 16) -> Pr
     return PrefixReport(block_size, scores)
 
 
+def lane_check(prompts: Sequence[RenderedPrompt], prefixes: Sequence[str], block_size: int = 16) -> dict:
+    """What a bench lane's prompts, in send order, say about its shared prefix: the predicted cache hit rate,
+    and where prompts that start with the lane's shared prefix (`prefixes[i]`, "" for none) already differ
+    inside it -- the first unstable span (the earliest such divergence), a timestamp or a reordered list."""
+    report = score_prompts(prompts, block_size)
+    declared, unstable = 0, []
+    for p, score, prefix in zip(prompts, report.prompts, prefixes):
+        if not prefix:
+            continue
+        declared += 1
+        start = p.text.find(prefix)
+        d = score.divergence
+        if d is not None and start >= 0 and d.char_offset < start + len(prefix):
+            unstable.append((d.char_offset, score.index, d))
+    first = min(unstable, key=lambda u: (u[0], u[1])) if unstable else None
+    return {"prompts": len(prompts), "block_size": block_size, "prompt_tokens": report.prompt_tokens,
+            "predicted_cached_tokens": report.cached_tokens, "predicted_hit_rate": report.hit_rate,
+            "declared_prefix_prompts": declared, "unstable_prompts": len(unstable),
+            "first_unstable": None if first is None else {"prompt": first[1], **asdict(first[2])}}
+
+
 # -- output -----------------------------------------------------------------------------------------
 def print_report(report: PrefixReport, console: Any = None) -> None:
     from rich.console import Console

@@ -30,18 +30,25 @@ CODES = ("RETAIL", "WHOLESALE", "LOGISTICS", "FINANCE", "SUPPORT", "UNKNOWN")
 
 
 class TokenCounter:
-    """Counts tokens with the target model's tokenizer (tokenizer.json), or estimates ~1.3 tokens a word."""
+    """Counts tokens as the target bills them: with the target model's tokenizer (a checkpoint folder, with its
+    chat template, or a bare tokenizer.json), else estimated at ~1.3 tokens a word.
+
+    `count` is the raw text; `billed` is the whole prompt as the server counts it: a completion prompt with the
+    tokenizer's special tokens (BOS), a chat with its template's wrapper. `truncate` cuts text to a number of
+    tokens, which is how the lab makes every drawn length exact."""
 
     def __init__(self, tokenizer_path: str | Path | None = None):
-        self.tokenizer = None
+        self.tokenizer = None  # the `tokenizers` backend
+        self.model_tokenizer = None  # twospeed's Tokenizer: special tokens and chat template too
         if tokenizer_path is not None:
-            from tokenizers import Tokenizer
-
             path = Path(tokenizer_path)
             file = path / "tokenizer.json" if path.is_dir() else path
             if not file.is_file():
                 raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
-            self.tokenizer = Tokenizer.from_file(str(file))
+            from twospeed.lab.prefix_score import load_tokenizer
+
+            self.model_tokenizer = load_tokenizer(str(path))
+            self.tokenizer = self.model_tokenizer.backend
         sample = " ".join(WORDS * 4)
         self.tokens_per_word = self.count(sample) / len(sample.split()) if self.tokenizer else 1.3
 
@@ -54,6 +61,35 @@ class TokenCounter:
             return max(1, round(len(text.split()) * 1.3)) if text else 0
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def billed(self, text: str = "", endpoint: str = "completions", messages: list[dict] | None = None) -> int:
+        """Prompt tokens as the server bills them. A chat is `messages`, or `text` as one user message."""
+        if self.model_tokenizer is None:
+            return self.count(text if messages is None else "\n".join(str(m.get("content", "")) for m in messages))
+        if endpoint == "chat":
+            rendered = self.render_chat(messages or [{"role": "user", "content": text}])
+            if rendered is not None:
+                return len(self.model_tokenizer.encode(rendered, add_special_tokens=False))
+            text = "\n".join(str(m.get("content", "")) for m in messages) if messages else text
+        return len(self.model_tokenizer.encode(text, add_special_tokens=True))
+
+    def render_chat(self, messages: list[dict]) -> str | None:
+        """The chat as the server's template renders it (None without a template)."""
+        tok = self.model_tokenizer
+        if tok is None or tok.chat_template is None:
+            return None
+        return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of the raw text (needs the tokenizer)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def truncate(self, text: str, tokens: int) -> str:
+        """The first `tokens` tokens of `text` (all of it when shorter; estimated by words without a tokenizer)."""
+        if self.tokenizer is None:
+            return " ".join(text.split()[:self.words_for(tokens)])
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return text if len(ids) <= tokens else self.tokenizer.decode(ids[:tokens])
+
     def words_for(self, tokens: int) -> int:
         return max(1, round(tokens / self.tokens_per_word))
 
@@ -65,7 +101,21 @@ class Prompt:
 
 
 def words(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
-    return " ".join(rng.choice(WORDS, size=counter.words_for(tokens)).tolist()) if tokens > 0 else ""
+    """Filler of `tokens` tokens: exactly that many with a tokenizer (drawn long, then cut), else estimated.
+    The words come from a child generator (one draw of `rng`), so a longer filler only appends words: the
+    prompt around it draws the same, and its length in context grows by exactly what was asked."""
+    if tokens <= 0:
+        return ""
+    child = np.random.default_rng(int(rng.integers(2**63)))
+    n = counter.words_for(tokens)
+    if not counter.exact:
+        return " ".join(child.choice(WORDS, size=n).tolist())
+    text = " ".join(child.choice(WORDS, size=n + n // 3 + 4).tolist())
+    ids = counter.ids(text)
+    while len(ids) < tokens:  # a word list that tokenizes short: draw more
+        text += " " + " ".join(child.choice(WORDS, size=n // 2 + 4).tolist())
+        ids = counter.ids(text)
+    return text if len(ids) == tokens else counter.tokenizer.decode(ids[:tokens])
 
 
 def agent_prefix(rng: np.random.Generator, counter: TokenCounter, tokens: int) -> str:
@@ -89,8 +139,10 @@ def agent(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
 def rag(rng, counter, prefix: str, new_tokens: int, turn: int) -> Prompt:
     n = max(2, new_tokens // 180)
     ids = sorted({f"P{int(x):03d}" for x in rng.choice(999, size=n, replace=False)})
-    per = max(4, new_tokens // len(ids))
-    passages = "\n".join(f"[{pid}] {words(rng, counter, per)}" for pid in ids)
+    per, extra = divmod(new_tokens, len(ids))  # the remainder spread over the first passages: any length fits
+    if per < 4:
+        per, extra = 4, 0
+    passages = "\n".join(f"[{pid}] {words(rng, counter, per + (i < extra))}" for i, pid in enumerate(ids))
     text = (f"{prefix}RETRIEVED PASSAGES:\n{passages}\nQUESTION: {words(rng, counter, 16)}?\n"
             "Answer in two sentences and cite the passage ids you used, like [P012].\nANSWER:")
     return Prompt(text, {"passage_ids": ids})

@@ -1,8 +1,10 @@
 """A run for people: the console summary (rich) and report.html with PNG plots (matplotlib, Agg).
 
 Plots: TTFT vs prompt tokens (prefill's cost), ITL vs token position (decode's), CDFs of TTFT and ITL per
-lane, and tokens per engine step over time when the server exposes them. Everything is read from the
-results.json document, so a report can be rebuilt from a saved run.
+lane, tokens per engine step over time when the server exposes them, and for job lanes a stacked bar of a
+job's time (queue / prefill / decode / tool / gate) and the prompt's growth and cache hit turn by turn. The
+page ends with the diagnosis. Everything is read from the results.json document, so a report can be rebuilt
+from a saved run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,42 @@ def summary_rows(doc: dict) -> list[list[str]]:
 
 HEADERS = ["lane", "reqs", "err", "TTFT p50 ms", "TTFT p99", "ITL p50 ms", "ITL p99", "TPOT p50", "queue p99",
            "gate", "SLO", "goodput tok", "cached in", "prefilled in", "output", "cost"]
+JOB_PARTS = ("queue", "prefill", "decode", "tool", "gate", "other")
+JOB_HEADERS = ["job lane", "jobs", "err", "calls/job", "wall p50 s", "wall p99 s", *JOB_PARTS, "last-turn prompt",
+               "cache hit", "in window", "good jobs"]
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.2f}"
+
+
+def job_rows(doc: dict) -> list[list[str]]:
+    """One row per job lane: the wall time, the share of each part, prompt growth, window and goodput."""
+    rows = []
+    for name, lane in doc["lanes"].items():
+        j = lane.get("jobs")
+        if not j:
+            continue
+        turns = j["turns"]
+        cached = sum(t["cached_tokens"] * t["calls"] for t in turns)
+        prompt = sum(t["prompt_tokens"] * t["calls"] for t in turns)
+        rows.append([name, str(j["jobs"]), str(j["errors"]), f"{j['calls']['mean'] or 0:.1f}",
+                     _s(j["stats"]["wall"]["p50"]), _s(j["stats"]["wall"]["p99"]),
+                     *(_pct(j["share"].get(p)) for p in JOB_PARTS),
+                     f"{turns[-1]['prompt_tokens']:,.0f}" if turns else "-", _pct(cached / prompt if prompt else None),
+                     _pct(j["window"]["attainment"]), f"{j['goodput']['jobs']}/{j['jobs']}"])
+    return rows
+
+
+def throughput_line(doc: dict) -> str:
+    """Request and output-token throughput over the run's wall time, in total and per lane."""
+    def one(s: dict) -> str:
+        t = s.get("throughput") or {}
+        req, tok = t.get("requests_per_s"), t.get("output_tokens_per_s")
+        return "-" if req is None else f"{req:.2f} req/s, {tok:,.1f} output tok/s"
+
+    lanes = "; ".join(f"{n} {one(s)}" for n, s in doc["lanes"].items())
+    return f"throughput over {doc['run']['wall_s']:.1f} s: {one(doc['total'])} ({lanes})"
 
 
 def print_summary(doc: dict, console) -> None:
@@ -50,6 +88,16 @@ def print_summary(doc: dict, console) -> None:
     for row in summary_rows(doc):
         table.add_row(*row)
     console.print(table)
+    console.print(throughput_line(doc), highlight=False)
+    jobs = job_rows(doc)
+    if jobs:
+        jt = Table(title="jobs: wall time per job and the share of each part (queue/prefill/decode from the "
+                         "server's clock where it gives one)")
+        for h in JOB_HEADERS:
+            jt.add_column(h, justify="left" if h == "job lane" else "right")
+        for row in jobs:
+            jt.add_row(*row)
+        console.print(jt)
     c = doc["client"]
     if c["fell_behind"]:
         console.print(f"[bold yellow]warning[/]: the client fell behind its schedule: {c['late_requests']} requests "
@@ -63,6 +111,11 @@ def print_summary(doc: dict, console) -> None:
     for name, lane in doc["lanes"].items():
         for f in lane["gate"].get("failures", []):
             console.print(f"  gate failures in {name}: {f['count']} x {f['reason']}")
+        fit = lane.get("prompt_fit") or {}
+        if fit.get("off"):
+            console.print(f"[bold yellow]note[/]: lane {name}: {fit['off']} of {fit['asked']} prompts billed other "
+                          f"than asked (up to {fit['max_over']} over, {fit['max_under']} under): the lane asks for less "
+                          "than its template takes, or the server's tokenizer is not --tokenizer")
 
 
 # -- plots ------------------------------------------------------------------------------------------
@@ -120,7 +173,52 @@ def _plots(doc: dict, out: Path) -> list[tuple[str, str]]:
         ax.set(xlabel="time (s)", ylabel="tokens per step", title="Tokens per engine step (server)")
         ax.legend(fontsize=8)
         save(fig, "tokens_per_step.png", "Mean prefill and decode tokens per engine step, sampled from /metrics.")
+    made += _job_plots(doc, out, plt)
     return made
+
+
+def _job_plots(doc: dict, out: Path, plt) -> list[tuple[str, str]]:
+    """Per job lane: a stacked bar of a job's mean time by part, and prompt growth and cache hit per turn."""
+    lanes = {n: s["jobs"] for n, s in doc["lanes"].items() if s.get("jobs")}
+    if not lanes:
+        return []
+    made = []
+    fig, ax = plt.subplots(figsize=(7, 1.4 + 0.6 * len(lanes)))
+    for i, (name, j) in enumerate(lanes.items()):
+        left = 0.0
+        for part in JOB_PARTS:
+            width = j["split_s"][part] / max(1, j["jobs"])
+            ax.barh(i, width, left=left, label=part if i == 0 else None)
+            left += width
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.set(xlabel="seconds per job (mean)", title="Where a job's time goes")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(out / "job_split.png", dpi=90)
+    plt.close(fig)
+    made.append(("job_split.png", "A job's mean wall time per job lane, split into queue, prefill, decode, tool, "
+                                  "gate and the rest."))
+    for name, j in lanes.items():
+        turns = j["turns"]
+        x = [t["turn"] for t in turns]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(x, [t["cached_tokens"] for t in turns], label="cached")
+        ax.bar(x, [t["prefilled_tokens"] for t in turns], bottom=[t["cached_tokens"] for t in turns], label="prefilled")
+        ax.set(xlabel="turn", ylabel="prompt tokens (mean)", title=f"Prompt growth per turn: {name}", xticks=x)
+        hit = ax.twinx()
+        hit.plot(x, [(t["hit_rate"] or 0) * 100 for t in turns], color="black", marker="o", label="cache hit")
+        hit.set(ylabel="cache hit (%)", ylim=(0, 100))
+        ax.legend(fontsize=8, loc="upper left")
+        fig.tight_layout()
+        file = f"job_turns_{_slug(name)}.png"
+        fig.savefig(out / file, dpi=90)
+        plt.close(fig)
+        made.append((file, f"{name}: mean prompt tokens per turn, cached vs prefilled, and the cache hit rate."))
+    return made
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
 def write_html(doc: dict, out: Path) -> Path:
@@ -130,18 +228,25 @@ def write_html(doc: dict, out: Path) -> Path:
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in summary_rows(doc))
     figs = "".join(f'<figure><img src="{n}" alt="{html.escape(c)}"><figcaption>{html.escape(c)}</figcaption></figure>'
                    for n, c in plots)
+    jobs = job_rows(doc)
+    job_table = ("<h2>Jobs</h2><table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in JOB_HEADERS) + "</tr>" +
+                 "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in jobs) +
+                 "</table>") if jobs else ""
+    from twospeed.lab.diagnose import diagnose, diagnosis_lines
+
+    diagnosis = "<h2>Diagnosis</h2><pre>" + html.escape("\n".join(diagnosis_lines(diagnose(doc)))) + "</pre>"
     c = doc["client"]
     warn = (f"<p class=warn>The client fell behind: {c['late_requests']} requests were sent late.</p>"
             if c["fell_behind"] else "")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>twospeed bench: {html.escape(run['workload'])}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
-padding:3px 6px;text-align:right}}figure{{display:inline-block;margin:1em}}.warn{{color:#a60}}</style></head><body>
+padding:3px 6px;text-align:right}}pre{{white-space:pre-wrap;max-width:70em}}figure{{display:inline-block;margin:1em}}.warn{{color:#a60}}</style></head><body>
 <h1>twospeed bench: {html.escape(run['workload'])}</h1>
 <p>{html.escape(run['model'])} at {html.escape(run['url'])}{' (' + html.escape(run['label']) + ')' if run['label'] else ''};
 seed {run['seed']}, started {html.escape(run['started_at'])}, {run['wall_s']:.1f} s; token timing from
 {html.escape(run['token_source'])}; times in ms (TTFT: send to first content token; ITL: per token).</p>{warn}
-<table><tr>{head}</tr>{body}</table>{figs}
-<p>Data: results.json (schema: twospeed/lab/results.schema.json), requests.csv.</p></body></html>"""
+<table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{job_table}{figs}{diagnosis}
+<p>Data: results.json (schema: twospeed/lab/results.schema.json), requests.csv, jobs.csv.</p></body></html>"""
     path = out / "report.html"
     path.write_text(page)
     return path

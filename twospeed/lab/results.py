@@ -1,7 +1,8 @@
 """A run's results: one judged record per request, per-lane statistics, the bill, and the files that hold them.
 
 results.json follows results.schema.json (next to this file; `validate` checks a document against it) and
-requests.csv has one row per request with every timing and bill field. Times are seconds.
+requests.csv has one row per request with every timing and bill field (a job's calls are rows too, with their
+job and turn; jobs.csv has one row per job, job_results.py). Times are seconds.
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 
+from twospeed.lab import answer_stats, gates, stats
 from twospeed.lab import bill as billing
-from twospeed.lab import gates, stats
 from twospeed.lab.client import Response
 from twospeed.lab.workload import SLO, Workload
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: job lanes (jobs, job and turn per request), throughput, prefix checks, diagnosis
 METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
-CSV_FIELDS = ("index", "lane", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens", "cached_tokens",
-              "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "tpot_s",
+CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens",
+              "prompt_tokens_asked", "cached_tokens", "prefilled_tokens", "observation_tokens", "output_tokens", "max_tokens", "needed_tokens",
+              "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "call_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
               "token_source", "server_queue_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
-              "server_slo_met", "finish_reason", "gate_passed", "gate_reason", "slo_met", "slo_missed", "good")
+              "server_decode_steps", "server_interfered_steps", "server_slo_met", "finish_reason", "gate_passed",
+              "gate_reason", "slo_met", "slo_missed", "good")
 
 
 def schema() -> dict:
@@ -57,25 +60,54 @@ def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1e3
 
 
+def _client_prompt_tokens(planned, endpoint: str, counter) -> int:
+    """The prompt's tokens as the client counts them (only used when the server says nothing)."""
+    if "prompt_tokens" in planned.meta:
+        return planned.meta["prompt_tokens"]
+    return counter.billed(planned.prompt, endpoint, planned.messages)
+
+
+def _prompt_text(planned) -> str:
+    if planned.messages:
+        return "\n".join(str(m.get("content") or "") for m in planned.messages)
+    return planned.prompt
+
+
 def record(resp: Response, workload: Workload, counter) -> dict:
-    """Judge one response: gate, SLO, bill, money; plus its timing fields."""
-    lane = workload.lane(resp.planned.lane)
+    """Judge one response: gate, SLO, bill, money; plus its timing fields. A job's call comes judged by its
+    step's gate (resp.gate); its record names the job and the turn."""
+    p = resp.planned
+    lane = workload.lane(p.lane)
+    gate_config = lane.gate if p.turn is None else {"type": "none"}
     t = resp.timing
     ok = resp.error is None and t is not None and t.output_tokens > 0
-    gate = gates.run_gate(lane.gate, resp.text, resp.planned.meta) if ok else gates.GateResult(False, "no answer")
+    if resp.gate is not None:
+        gate = resp.gate
+    else:
+        gate = gates.run_gate(gate_config, resp.text, p.meta) if ok else gates.GateResult(False, "no answer")
     itl_p99 = _pct(t.itl, 99) if ok else None
     missed = judge_slo(lane.slo, t.ttft if ok else None, itl_p99, t.ttlt if ok else None) if ok else ["error"]
     good = ok and gate.passed and not missed
-    counted = 0 if resp.usage or resp.server else counter.count(resp.planned.prompt)  # only when the server is silent
+    counted = 0 if resp.usage or resp.server else _client_prompt_tokens(p, lane.endpoint, counter)
     b = billing.request_bill(resp.usage, resp.server, counted, t.output_tokens if t else 0, good)
     clock = (resp.server or {}).get("clock") or {}
     slo = (resp.server or {}).get("slo") or {}
+    info = p.turn
     return {
-        "index": resp.planned.index, "lane": lane.name, "status": resp.status, "error": resp.error,
+        "index": p.index, "lane": lane.name, "job": info.job if info else None, "turn": info.turn if info else None,
+        "step": info.step if info else None, "status": resp.status, "error": resp.error,
         "intended_s": resp.intended, "sent_s": resp.sent,
         "lag_s": None if resp.intended is None else resp.sent - resp.intended,
-        **b, "cost_usd": billing.money(b, workload.price)["total_usd"],
-        "ttft_s": t.ttft if t else None, "ttlt_s": t.ttlt if t else None, "tpot_s": t.tpot if t else None,
+        **b, "prompt_tokens_asked": p.meta.get("prompt_tokens_asked"),
+        "observation_tokens": info.observation_tokens if info else None,
+        "observations": list(info.observations) if info else [], "call_kind": info.kind if info else None,
+        "max_tokens": p.max_tokens,
+        "needed_tokens": answer_stats.needed_tokens(resp.text, b["output_tokens"], info_gate(resp, gate_config),
+                                                    counter) if ok else None,
+        "repeat_share": answer_stats.repeat_share(_prompt_text(p), resp.text) if ok else None,
+        "cost_usd": billing.money(b, workload.price)["total_usd"],
+        "ttft_s": t.ttft if t else None, "ttlt_s": t.ttlt if t else None,
+        "call_s": None if resp.finished is None else resp.finished - resp.sent, "tpot_s": t.tpot if t else None,
         "itl_p50_s": _pct(t.itl, 50) if t else None, "itl_p99_s": itl_p99, "itl_max_s": max(t.itl) if t and t.itl else None,
         "num_chunks": len(t.chunk_gaps) + 1 if t and t.output_tokens else 0,
         "chunk_gap_p50_s": _pct(t.chunk_gaps, 50) if t else None,
@@ -83,6 +115,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "token_source": t.source if t else None,
         "server_queue_s": _s(clock.get("queue_ms")), "server_prefill_s": _s(clock.get("prefill_ms")),
         "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
+        "server_decode_steps": clock.get("decode_steps"), "server_interfered_steps": clock.get("interfered_steps"),
         "server_slo_met": slo.get("met"), "finish_reason": resp.finish_reason,
         "gate_passed": gate.passed, "gate_reason": gate.reason, "slo_met": not missed, "slo_missed": ",".join(missed),
         "good": good, "itl_s": list(t.itl) if t else [], "chunk_gaps_s": list(t.chunk_gaps) if t else [],
@@ -90,8 +123,13 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     }
 
 
-def lane_summary(records: list[dict], slo: SLO | None, price, seed: int) -> dict:
-    """Statistics, gate pass rate, SLO attainment, goodput and bill over some requests."""
+def info_gate(resp: Response, lane_gate: dict) -> dict:
+    """The gate config an answer was judged by (a job call's step gate travels in its meta)."""
+    return resp.planned.meta.get("gate", lane_gate) if resp.planned.turn is not None else lane_gate
+
+
+def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s: float | None = None) -> dict:
+    """Statistics, gate pass rate, SLO attainment, goodput, bill and throughput over some requests."""
     ok = [r for r in records if r["error"] is None]
     values = {"ttft": [r["ttft_s"] for r in ok], "itl": [g for r in ok for g in r["itl_s"]],
               "chunk_gap": [g for r in ok for g in r["chunk_gaps_s"]], "tpot": [r["tpot_s"] for r in ok],
@@ -113,7 +151,24 @@ def lane_summary(records: list[dict], slo: SLO | None, price, seed: int) -> dict
                 "met": None if slo is None or attainment is None else attainment >= slo.target},
         "goodput": {"requests": good, "rate": good / n if n else None, "tokens": b["goodput_tokens"]},
         "bill": {**b, **billing.money(b, price)},
+        "throughput": throughput(len(ok), b["output_tokens"], wall_s),
+        "prompt_fit": prompt_fit(ok),
     }
+
+
+def prompt_fit(records: list[dict]) -> dict:
+    """Billed prompt tokens against what the lane asked for: prompts billed otherwise are ones whose lane asks
+    for less than its template takes, or a server whose tokenizer is not --tokenizer."""
+    asked = [r for r in records if r.get("prompt_tokens_asked") is not None]
+    off = [r["prompt_tokens"] - r["prompt_tokens_asked"] for r in asked if r["prompt_tokens"] != r["prompt_tokens_asked"]]
+    return {"asked": len(asked), "off": len(off), "max_over": max(off, default=0), "max_under": -min(off, default=0)}
+
+
+def throughput(completed: int, output_tokens: int, wall_s: float | None) -> dict:
+    """Completed requests and output tokens per second of the run's wall time (vLLM bench's request and output
+    token throughput)."""
+    ok = bool(wall_s) and wall_s > 0
+    return {"requests_per_s": completed / wall_s if ok else None, "output_tokens_per_s": output_tokens / wall_s if ok else None}
 
 
 def _top_reasons(reasons: list[str], k: int = 3) -> list[dict]:
@@ -124,9 +179,9 @@ def _top_reasons(reasons: list[str], k: int = 3) -> list[dict]:
     return [{"reason": r, "count": c} for r, c in sorted(counts.items(), key=lambda x: -x[1])[:k]]
 
 
-def write_csv(records: list[dict], path: Path) -> None:
+def write_csv(records: list[dict], path: Path, fields: tuple[str, ...] = CSV_FIELDS) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(records)
 

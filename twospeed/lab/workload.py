@@ -1,8 +1,10 @@
 """Workloads: a mix of lanes, each with its own arrival process, prompt shape, lengths, SLO, gate and price.
 
-A workload is YAML (the built-ins live in twospeed/lab/workloads/: agent, rag, chat, nightly, mixed; copy
-one and edit it) or a JSONL trace (one request per line with its send time). `load_workload` turns either
-into a `Workload` of `Lane` dataclasses, validated here so a typo fails before any traffic is sent.
+A workload is YAML (the built-ins live in twospeed/lab/workloads/: agent, rag, chat, nightly, mixed,
+agent-jobs; copy one and edit it) or a JSONL trace (one request per line with its send time; lines with a
+`job` id are the calls of one agent job). `load_workload` turns either into a `Workload` of `Lane`
+dataclasses, validated here so a typo fails before any traffic is sent. A `job` lane's steps are parsed by
+job_spec.py.
 """
 
 from __future__ import annotations
@@ -13,13 +15,21 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
 
-BUILTIN = ("agent", "rag", "chat", "nightly", "mixed")
-PROMPT_KINDS = ("agent", "rag", "chat", "nightly", "trace")
+if TYPE_CHECKING:
+    from twospeed.lab.job_spec import JobSpec
+
+BUILTIN = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs")
+PROMPT_KINDS = ("agent", "rag", "chat", "nightly", "trace", "job")
+# Harness policies: how the client builds prompts, not what the traffic is. Runs that differ only in these
+# stay comparable (the workload digest leaves them out): a stable vs an unstable system block, dumps
+# summarized or not.
+POLICY_KEYS = ("prefix_stable",)
+JOB_POLICY_KEYS = ("summarize",)
 ARRIVALS = ("poisson", "gamma", "constant")
 
 
@@ -103,10 +113,11 @@ class SLO:
 
 @dataclass(slots=True)
 class Lane:
-    """One kind of traffic: its share of the load, prompt shape, lengths, objectives and gate."""
+    """One kind of traffic: its share of the load, prompt shape, lengths, objectives and gate. The billed prompt
+    is prefix_tokens + prompt_tokens exactly (salt, BOS and chat wrapper inside) when the tokenizer is known."""
 
     name: str
-    kind: str  # prompt shape: agent | rag | chat | nightly | trace
+    kind: str  # prompt shape: agent | rag | chat | nightly | trace | job
     share: float = 1.0  # fraction of the workload's requests (normalised over lanes)
     arrival: Arrival = field(default_factory=Arrival)
     prompt_tokens: Dist = field(default_factory=lambda: Dist("fixed", 64, 64))  # the new (unshared) part
@@ -118,14 +129,22 @@ class Lane:
     endpoint: str = "completions"  # "completions" | "chat"
     temperature: float = 0.0
     response_format: dict | None = None  # sent as is (structured output), when the server supports it
+    prefix_stable: bool = True  # False: the system block carries the send time (as careless harnesses do)
+    job: "JobSpec | None" = None  # kind job: the steps, tools, window and policies of one job
 
     def __post_init__(self) -> None:
         if self.kind not in PROMPT_KINDS:
             raise ValueError(f"lane {self.name!r}: kind must be one of {PROMPT_KINDS}, got {self.kind!r}")
+        if (self.kind == "job") != (self.job is not None):
+            raise ValueError(f"lane {self.name!r}: a job: block goes with kind: job, and kind job needs one")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"lane {self.name!r}: endpoint must be completions or chat, got {self.endpoint!r}")
         if not 0 <= self.prefix_reuse <= 1 or self.share <= 0:
             raise ValueError(f"lane {self.name!r}: need 0 <= prefix_reuse <= 1 and share > 0")
+
+    def gates(self) -> list[dict]:
+        """Every gate config of the lane (a job's steps and job gate too)."""
+        return [self.gate, *(self.job.gates() if self.job else [])]
 
 
 @dataclass(slots=True)
@@ -150,13 +169,25 @@ class Price:
 
 
 @dataclass(slots=True)
+class TraceCall:
+    """One recorded call of a traced job: its prompt as the harness built it, and the tool time after it."""
+
+    prompt: str
+    max_tokens: int
+    tool_s: float = 0.0
+
+
+@dataclass(slots=True)
 class TraceItem:
-    """One request of a replayed trace: send offset (s), lane, prompt text, max_tokens."""
+    """One arrival of a replayed trace: send offset (s), lane, prompt text, max_tokens; a traced job has its
+    calls instead (sent one after another, each after the previous answer and its tool time)."""
 
     t: float
     lane: str
     prompt: str
     max_tokens: int
+    job: str | None = None
+    calls: list[TraceCall] | None = None
 
 
 @dataclass(slots=True)
@@ -171,8 +202,8 @@ class Workload:
     @property
     def digest(self) -> str:
         """Identifies the workload's content, so `compare` can refuse runs of different workloads."""
-        blob = json.dumps({"source": self.source, "trace": [dataclasses.astuple(t) for t in self.trace or []]},
-                          sort_keys=True, default=str)
+        blob = json.dumps({"source": _without_policy(self.source),
+                           "trace": [dataclasses.astuple(t) for t in self.trace or []]}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def lane(self, name: str) -> Lane:
@@ -180,6 +211,19 @@ class Workload:
             if lane.name == name:
                 return lane
         raise KeyError(name)
+
+
+def _without_policy(source: dict) -> dict:
+    """The workload's content less the harness policies (POLICY_KEYS), for the digest."""
+    if not isinstance(source.get("lanes"), list):
+        return source
+    lanes = []
+    for lane in source["lanes"]:
+        lane = {k: v for k, v in lane.items() if k not in POLICY_KEYS}
+        if isinstance(lane.get("job"), dict):
+            lane["job"] = {k: v for k, v in lane["job"].items() if k not in JOB_POLICY_KEYS}
+        lanes.append(lane)
+    return {**source, "lanes": lanes}
 
 
 def _lane(d: dict) -> Lane:
@@ -192,10 +236,16 @@ def _lane(d: dict) -> Lane:
     if unknown:
         raise ValueError(f"lane {name!r}: unknown keys {sorted(unknown)}")
     arrival = d.pop("arrival", {}) or {}
+    max_tokens = Dist.parse(d.pop("max_tokens", 64), f"lane {name}: max_tokens")
+    job = None
+    if "job" in d:
+        from twospeed.lab.job_spec import parse_job
+
+        job = parse_job(d.pop("job"), name, max_tokens)
     return Lane(name=name, kind=d.pop("kind", "chat"), arrival=Arrival(**arrival),
                 prompt_tokens=Dist.parse(d.pop("prompt_tokens", 64), f"lane {name}: prompt_tokens"),
-                max_tokens=Dist.parse(d.pop("max_tokens", 64), f"lane {name}: max_tokens"),
-                slo=SLO.parse(d.pop("slo", None)), gate=d.pop("gate", None) or {"type": "none"}, **d)
+                max_tokens=max_tokens, slo=SLO.parse(d.pop("slo", None)), gate=d.pop("gate", None) or {"type": "none"},
+                job=job, **d)
 
 
 def parse_workload(doc: dict) -> Workload:
@@ -210,27 +260,38 @@ def parse_workload(doc: dict) -> Workload:
 
 
 def load_trace(path: Path) -> Workload:
-    """JSONL, one request a line: {"t": seconds from start, "prompt": text, "max_tokens": n, "lane": name}."""
-    items = []
+    """JSONL, one request a line: {"t": seconds from start, "prompt": text, "max_tokens": n, "lane": name}.
+    Lines with a "job" id (and "turn", optional "tool_s": tool time after that call) are one job's calls: the job
+    arrives at its first turn's t and the lab sends its calls in turn order, each after the previous one."""
+    items: list[TraceItem] = []
+    jobs: dict[str, list[tuple[int, float, TraceItem]]] = {}
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
-            items.append(TraceItem(float(d["t"]), str(d.get("lane", "trace")), str(d["prompt"]),
-                                   int(d.get("max_tokens", 64))))
+            item = TraceItem(float(d["t"]), str(d.get("lane", "trace")), str(d["prompt"]), int(d.get("max_tokens", 64)))
+            if "job" in d:
+                jobs.setdefault(str(d["job"]), []).append((int(d.get("turn", 0)), float(d.get("tool_s", 0.0)), item))
+            else:
+                items.append(item)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{i}: expected {{t, prompt, max_tokens?, lane?}}: {e}") from None
+            raise ValueError(f"{path}:{i}: expected {{t, prompt, max_tokens?, lane?, job?, turn?, tool_s?}}: {e}") from None
+    for job, calls in jobs.items():
+        calls.sort(key=lambda c: (c[0], c[2].t))
+        first = calls[0][2]
+        items.append(TraceItem(min(c[2].t for c in calls), first.lane, "", 0, job,
+                               [TraceCall(c[2].prompt, c[2].max_tokens, c[1]) for c in calls]))
     if not items:
         raise ValueError(f"{path}: empty trace")
     items.sort(key=lambda x: x.t)
     lanes = [Lane(name=n, kind="trace") for n in dict.fromkeys(x.lane for x in items)]
     return Workload(name=path.stem, lanes=lanes, description=f"trace replay of {path.name}", trace=items,
-                    source={"trace": path.name, "requests": len(items)})
+                    source={"trace": path.name, "requests": sum(x.calls is None for x in items), "jobs": len(jobs)})
 
 
 def load_workload(spec: str) -> Workload:
-    """A built-in name (agent, rag, chat, nightly, mixed), a YAML file, or a JSONL trace."""
+    """A built-in name (BUILTIN), a YAML file, or a JSONL trace."""
     if spec in BUILTIN:
         text = resources.files("twospeed.lab").joinpath("workloads", f"{spec}.yaml").read_text()
         return parse_workload(yaml.safe_load(text))
