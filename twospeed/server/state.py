@@ -1,0 +1,103 @@
+"""ServerState: what every route shares (the engine thread, tokenizer, metrics, lanes, the draining flag),
+handed to routes as one FastAPI dependency, and admission (lane, queue bound, the engine's own checks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import lru_cache
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, monotonic_to_unix
+from twospeed.server.config import ServerConfig
+from twospeed.server.errors import APIError
+from twospeed.server.metrics import ServerMetrics
+from twospeed.server.slo import SLOTable
+
+LANE_HEADER = "x-twospeed-lane"
+
+
+class ServerState:
+    """What the handlers share: the engine wrapper, the tokenizer, metrics, lanes, the draining flag."""
+
+    def __init__(self, engine, server_config: ServerConfig, model_name: str):
+        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why)."""
+        self.engine = None  # LLMEngine once started, used read-only outside the engine thread (config, tokenizer)
+        self.tokenizer = None
+        self.config = server_config
+        self.model_name = model_name
+        self.slos = SLOTable(server_config.lanes())
+        self.metrics = ServerMetrics(model_name)
+        self.async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self._on_finish,
+                                        on_load=self.metrics.set_load)
+        self.to_unix = monotonic_to_unix()
+        self.draining = False
+        self.created = int(time.time())
+        self._decode_one = lru_cache(maxsize=65536)(self._decode_token)
+
+    async def start(self) -> None:
+        self.async_engine.start()
+        self.engine = await self.async_engine.ready()
+        self.tokenizer = self.engine.tokenizer
+
+    def _on_finish(self, lane, request, aborted):
+        verdict = None if aborted else self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
+        self.metrics.on_finished(lane, request.clock, request.bill, request.num_preemptions, aborted, verdict)
+        return verdict
+
+    def _decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # vLLM's spelling when there is no tokenizer
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self._decode_one(token_id)
+
+    # -- admission ------------------------------------------------------------------------------
+    async def submit(self, body, request: Request, specs: list[SequenceSpec]) -> RequestGroup:
+        """Admission (lane, queue bound) and the engine's own validation; returns the running group."""
+        lane_name = body.lane if body.lane is not None else request.headers.get(LANE_HEADER)
+        try:
+            lane = self.slos.admit(lane_name)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lane") from None
+        engine = self.async_engine
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        limit = self.config.max_waiting
+        if len(specs) > limit:
+            raise APIError(400, f"this request asks for {len(specs)} sequences (prompts x n) but at most {limit} "
+                                f"may wait (--max-waiting)", param="n")
+        if engine.num_waiting + len(specs) > limit:
+            # A rough wait: the excess over the bound, drained a running batch at a time, at least a second.
+            seats = self.engine.scheduler_config.max_num_seqs
+            retry = max(1, math.ceil((engine.num_waiting + len(specs) - limit) / seats))
+            raise APIError(429, f"the server is at capacity: {engine.num_waiting} sequences waiting "
+                                f"(--max-waiting {limit}); retry later", "rate_limit_exceeded",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        priority = body.priority if body.priority is not None else (lane.priority or 0)
+        group = RequestGroup(lane.lane, priority, time.monotonic(), specs)
+        try:
+            await engine.add(group)
+        except ValueError as e:
+            message = str(e)
+            structured = "structured output" in message or "JSON schema" in message or "grammar" in message
+            param = body.structured_param if structured else ("prompt" if "prompt" in message else None)
+            raise APIError(400, message, param=param) from None
+        except RuntimeError as e:
+            raise APIError(400, f"the engine refused this request: {e}") from None
+        return group
+
+
+def get_state(request: Request) -> ServerState:
+    """The app's ServerState; 503 while the model is still loading."""
+    state = getattr(request.app.state, "twospeed", None)
+    if state is None:
+        raise APIError(503, "the model is still loading", "service_unavailable")
+    return state
+
+
+State = Annotated[ServerState, Depends(get_state)]
