@@ -1,11 +1,21 @@
-"""Per-request sampling and stopping parameters, validated on construction."""
+"""Per-request sampling and stopping parameters, validated on construction.
+
+These are the checks that need no model; engine/admission.py adds those against the model (vocabulary,
+context length) and holds the table of every rule.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf,
+# and softmax over infs is NaN, where the limit of ever-colder sampling is the argmax.
+GREEDY_TEMPERATURE = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
 
 
 @dataclass(slots=True)
@@ -51,8 +61,9 @@ class StructuredOutput:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar")
-                    if getattr(self, k) not in (None, False))
+        if self.json is not None:  # a schema may be the boolean false (nothing matches: admission refuses it)
+            return "json"
+        return next(k for k in ("json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
         """The content the compiled grammar depends on (the compile cache's key)."""
@@ -67,7 +78,7 @@ class SamplingParams:
 
     max_tokens: int | None = 16  # output tokens at most; None = up to max_model_len
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were emitted
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 (anything below GREEDY_TEMPERATURE) is greedy
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -91,6 +102,19 @@ class SamplingParams:
                              "where the document ends")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        self.top_k = _int("top_k", self.top_k)
+        self.seed = None if self.seed is None else _int("seed", self.seed)
+        self.logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+        self.temperature, self.top_p, self.min_p = (_float(name, getattr(self, name))
+                                                    for name in ("temperature", "top_p", "min_p"))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -103,13 +127,38 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if any(not _valid_unicode(s) for s in self.stop):
+            raise ValueError("stop strings must be valid Unicode (no lone surrogates)")
         if self.top_k == -1:
             self.top_k = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _int(name: str, value: Any) -> int:
+    # numpy integers are fine; a bool is not a count, a float is not an id.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -23,15 +23,14 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from twospeed.engine.sampling_params import SamplingParams, StructuredOutput
+from twospeed.engine import json_schema
+from twospeed.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutput
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # as OpenAI
 MAX_STOP = 16
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -49,16 +48,15 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def check_schema(schema: Any, param: str, where: str) -> dict | bool:
-    """A JSON schema checked against its meta-schema; a 400 naming where it is wrong otherwise."""
+    """A JSON schema checked against its meta-schema and for a finite document (once per distinct schema);
+    a 400 naming where it is wrong otherwise."""
     if not isinstance(schema, (dict, bool)):
         raise UnsupportedValue(param, f"{where} must be a JSON schema object")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
+        json_schema.check_schema(schema)
+    except json_schema.SchemaProblem as e:
         at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        raise UnsupportedValue(param, f"{where}{at} is not a valid JSON schema: {e.message}") from None
-    except RecursionError:
-        raise UnsupportedValue(param, f"{where} is nested too deeply") from None
+        raise UnsupportedValue(param, f"{where}{at} {e.reason}") from None
     return schema
 
 
