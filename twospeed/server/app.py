@@ -2,8 +2,9 @@
 
 Inputs: an EngineConfig (the model and engine options) and a ServerConfig (where to listen, the API key,
 the lanes' SLOs, the waiting-queue bound). The routes live in one router per concern (routes_openai.py,
-routes_ops.py) and share a ServerState through one FastAPI dependency; adding a page is a new router file
-and one line in ROUTERS (plus its prefix in guard.KEYED_PATHS if it reveals the API or data).
+routes_ops.py) and share a ServerState through one FastAPI dependency; adding a page is a new router module
+(with a `router`) and one line in ROUTERS. Every route needs the API key, when one is set, unless
+guard.OPEN_PATHS opens its prefix with a flag.
 
 Every response carries the split clock and bill: a `twospeed` object in the body (and in the final
 streamed chunk of each choice), a Server-Timing header on non-streaming responses, and in every streamed
@@ -13,6 +14,7 @@ thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -22,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from twospeed.config import EngineConfig
-from twospeed.server import routes_openai, routes_ops
+from twospeed.server import openapi, routes_openai, routes_ops
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import install_error_handlers
 from twospeed.server.guard import GuardMiddleware
@@ -30,7 +32,7 @@ from twospeed.server.state import ServerState
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
-ROUTERS = [routes_openai.router, routes_ops.router]
+ROUTERS = [routes_openai, routes_ops]  # modules with a `router` (and BODY_MODELS if they parse bodies themselves)
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None) -> FastAPI:
@@ -47,26 +49,31 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
         try:
             yield
         finally:
-            state.draining = True
-            await state.async_engine.shutdown()
+            await state.stop()
 
     app = FastAPI(title="twospeed", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server that reports prefill and decode apart.")
     app.add_middleware(GuardMiddleware, get_state=lambda: getattr(app.state, "twospeed", None),
                        config=server_config)
     install_error_handlers(app)
-    for router in ROUTERS:
-        app.include_router(router)
+    for module in ROUTERS:
+        app.include_router(module.router)
+    openapi.install(app, [m for module in ROUTERS for m in getattr(module, "BODY_MODELS", ())])
     return app
 
 
 # -- running it -----------------------------------------------------------------------------------
+# uvicorn's own deadline, past ours: by then every response has ended (it would cancel them, with tracebacks).
+_UVICORN_MARGIN = 2.0
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    """Serve until SIGTERM/SIGINT: then stop admitting, let in-flight requests finish (up to
-    shutdown_grace seconds), abort the rest, and return 0."""
+    """Serve until SIGTERM/SIGINT: then stop admitting, let in-flight requests finish for up to
+    shutdown_grace seconds, end the rest (an error event and [DONE] for a stream, 503 otherwise), and
+    return 0."""
     app = build_app(engine_config, server_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
-                            timeout_graceful_shutdown=server_config.shutdown_grace, lifespan="on",
+                            timeout_graceful_shutdown=server_config.shutdown_grace + _UVICORN_MARGIN, lifespan="on",
                             access_log=log_level == "debug")
     server = _Server(config, app)
     server.run()
@@ -80,6 +87,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         super().__init__(config)
         self._app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -95,13 +103,14 @@ class _Server(uvicorn.Server):
 
     def _on_signal(self, sig, frame) -> None:
         state = getattr(self._app.state, "twospeed", None)
-        if state is not None:
-            state.draining = True
+        if state is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(state.begin_drain)  # the grace's clock starts now
         if self.should_exit:
             self.force_exit = True
         self.should_exit = True
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]

@@ -15,9 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from twospeed.server.protocol import UnsupportedValue
-
 log = logging.getLogger("twospeed.server")
+
+
+class UnsupportedValue(ValueError):
+    """A field OpenAI defines, set to a value twospeed does not implement (or a value its rules refuse)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):
@@ -57,7 +63,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return error_response(validation_error(e))
+        return error_response(validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -76,9 +82,8 @@ def install_error_handlers(app: FastAPI) -> None:
 _UNION_TAG = re.compile(r"[\[\]-]|^(str|int|float|bool|list|dict|none|json-or-python)$")
 
 
-def validation_error(e: RequestValidationError) -> APIError:
+def validation_error(errors: list[dict]) -> APIError:
     """pydantic's errors as one OpenAI-style message; param is the field's path (messages.0.role)."""
-    errors = e.errors()
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (SSE or one body), /v1/models.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (SSE or one body), /v1/models, and
+vLLM's /tokenize and /detokenize.
 
-Each handler validates, tokenizes and hands the engine thread a group of sequences (ServerState.submit),
-then formats what comes back: `stream_events` for SSE, `collect` + `final_response` otherwise. The
-per-endpoint part is the choice object (text and logprobs for completions; a message or delta, and a tool
-call, for chat).
+Each handler reads the body and hands it to a worker thread (prepare.py: parse, validate, render,
+tokenize, compile), submits the prepared sequences to the engine thread (ServerState.submit), then formats
+what comes back: `stream_events` for SSE, `collect` + `final_response` otherwise. The per-endpoint part is
+the choice object (text and logprobs for completions; a message or delta, and a tool call, for chat).
+Bodies are parsed by hand, so their schemas reach the OpenAPI document through openapi.py (BODY_MODELS).
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from twospeed.server.async_engine import SequenceSpec, StreamItem
-from twospeed.server.errors import ERROR_RESPONSES, APIError
-from twospeed.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedValue
+from twospeed.server.async_engine import StreamItem
+from twospeed.server.errors import ERROR_RESPONSES
+from twospeed.server.openapi import body as body_doc
+from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                                      TokenizeCompletionRequest)
 from twospeed.server.responses import chat_logprobs, completion_logprobs, tool_call_json, usage_json
 from twospeed.server.state import ServerState, State
 from twospeed.server.streaming import NO_TOKENS, SSEResponse, collect, final_response, stream_events
 
 router = APIRouter()
+BODY_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+               DetokenizeRequest]  # parsed by hand: openapi.install documents them
+ERRORS = {**ERROR_RESPONSES, 413: {"description": "the body is larger than --max-body-bytes",
+                                   "content": ERROR_RESPONSES[400]["content"]}}
 
 
-@router.get("/v1/models", responses=ERROR_RESPONSES)
+@router.get("/v1/models", responses=ERRORS)
 async def models(state: State):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created, "owned_by": "twospeed",
@@ -31,20 +39,10 @@ async def models(state: State):
 
 
 # -- completions ----------------------------------------------------------------------------------
-@router.post("/v1/completions", responses=ERROR_RESPONSES)
-async def completions(body: CompletionRequest, request: Request, state: State):
-    _check_common(state, body)
-    prompts = []
-    for p in body.prompts():
-        if isinstance(p, str):
-            prompts.append((p, _encode(state, p, True)))
-        else:
-            prompts.append((None, list(p)))
-    specs = []
-    for i, (_, ids) in enumerate(prompts):
-        for j in range(body.n):
-            specs.append(SequenceSpec(f"cmpl-{uuid.uuid4().hex}-{i}-{j}", ids,
-                                      _params(body, body.max_tokens, body.logprobs, j), i * body.n + j))
+@router.post("/v1/completions", responses=ERRORS, openapi_extra=body_doc(CompletionRequest))
+async def completions(request: Request, state: State):
+    prepared = await state.run(state.prepare.completion, await request.body())
+    body, prompts, specs = prepared.body, prepared.prompts, prepared.specs
     group = await state.submit(body, request, specs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompt_lens = [len(ids) for _, ids in prompts]
@@ -103,23 +101,12 @@ class _CompletionDelta:
 
 
 # -- chat -----------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
-    _check_common(state, body)
-    if state.tokenizer is None:
-        raise APIError(400, "chat needs a tokenizer (the server was started with skip_tokenizer_init)")
-    messages = [m.to_template() for m in body.messages]
-    try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                   tools=body.tools or None, **(body.chat_template_kwargs or {}))
-    except UnsupportedValue:
-        raise
-    except Exception as e:  # a template's raise_exception, a missing field, no template at all
-        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
-    ids = _encode(state, text, False)  # the template carries its own special tokens, as HF
+@router.post("/v1/chat/completions", responses=ERRORS, openapi_extra=body_doc(ChatCompletionRequest))
+async def chat_completions(request: Request, state: State):
+    prepared = await state.run(state.prepare.chat, await request.body())
+    body, specs = prepared.body, prepared.specs
+    ids = prepared.prompts[0][1]
     top_n = _top_logprobs(body)
-    specs = [SequenceSpec(f"chatcmpl-{uuid.uuid4().hex}-{j}", ids, _params(body, body.output_limit, top_n, j), j)
-             for j in range(body.n)]
     group = await state.submit(body, request, specs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -140,10 +127,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     for f in finals:
         out = f.output
         message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
-        call = body.parse_tool_call(out.text) if out.finish_reason == "stop" else None
+        call, finish = _tool_call(body, out.text, finish)
         if call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call_json(call)]}
-            finish = "tool_calls"
         choice = {"index": f.index, "message": message,
                   "logprobs": (chat_logprobs(state.token_text, out.logprobs or [], top_n)
                                if top_n is not None else None),
@@ -158,8 +144,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 class _ChatDelta:
     """The streamed choice of one engine delta. With tools, a choice whose text starts with "{" is a tool
-    call: its text is held back and sent as one tool_calls delta when the call is complete (or as content if
-    it was cut off by max_tokens)."""
+    call: its text is held back and sent as one tool_calls delta when the call ends (complete, or cut off by
+    max_tokens with its partial arguments and finish_reason "length")."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest):
         self.state, self.body = state, body
@@ -175,11 +161,8 @@ class _ChatDelta:
             self.held.add(item.index)
             delta = {}
             if out.finished:
-                call = body.parse_tool_call(out.text) if out.finish_reason == "stop" else None
-                if call is not None:
-                    delta, finish = {"tool_calls": [tool_call_json(call, 0)]}, "tool_calls"
-                else:
-                    delta = {"content": out.text}
+                call, finish = _tool_call(body, out.text, finish)
+                delta = {"tool_calls": [tool_call_json(call, 0)]} if call is not None else {"content": out.text}
         choice = {"index": item.index, "delta": delta, "logprobs": None, "finish_reason": finish,
                   "stop_reason": out.stop_reason}
         if self.top_n is not None and k:
@@ -189,6 +172,35 @@ class _ChatDelta:
         return choice
 
 
+def _tool_call(body: ChatCompletionRequest, text: str, finish: str | None) -> tuple[dict | None, str | None]:
+    """(the tool call in a finished choice's text, its finish_reason): a complete call is "tool_calls"; one cut off
+    by max_tokens keeps "length" and comes back with its partial arguments, as OpenAI returns it."""
+    if finish == "stop" and (call := body.parse_tool_call(text)) is not None:
+        return call, "tool_calls"
+    if finish == "length":
+        return body.partial_tool_call(text), finish
+    return None, finish
+
+
+# -- vLLM's tokenizer endpoints -------------------------------------------------------------------
+_TOKENIZE_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    {"$ref": "#/components/schemas/TokenizeCompletionRequest"},
+    {"$ref": "#/components/schemas/TokenizeChatRequest"}]}}}}}
+
+
+@router.post("/tokenize", responses=ERRORS, openapi_extra=body_doc([TokenizeCompletionRequest, TokenizeChatRequest],
+                                                               _TOKENIZE_BODY))
+async def tokenize(request: Request, state: State):
+    """{"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}."""
+    return await state.run(state.prepare.tokenize, await request.body())
+
+
+@router.post("/detokenize", responses=ERRORS, openapi_extra=body_doc(DetokenizeRequest))
+async def detokenize(request: Request, state: State):
+    """{"tokens"} -> {"prompt"}."""
+    return await state.run(state.prepare.detokenize, await request.body())
+
+
 # -- helpers --------------------------------------------------------------------------------------
 def _top_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
@@ -196,30 +208,6 @@ def _top_logprobs(body: ChatCompletionRequest) -> int | None:
 
 def _include_usage(body) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
-
-
-def _check_common(state: ServerState, body) -> None:
-    if body.model is not None and body.model not in (state.model_name, state.engine.config.model):
-        raise APIError(400, f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
-    try:
-        body.check_supported()
-    except UnsupportedValue as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
-def _params(body, max_tokens, logprobs, j):
-    try:
-        return body.sampling_params(max_tokens, logprobs, j)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
-    if state.tokenizer is None:
-        raise APIError(400, "text prompts need a tokenizer (the server was started with skip_tokenizer_init); "
-                            "send token ids", param="prompt")
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _decode(state: ServerState, ids: list[int]) -> str:

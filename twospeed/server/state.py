@@ -1,9 +1,11 @@
-"""ServerState: what every route shares (the engine thread, tokenizer, metrics, lanes, the draining flag),
-handed to routes as one FastAPI dependency, and admission (lane, queue bound, the engine's own checks).
+"""ServerState: what every route shares (the engine thread, tokenizer, metrics, lanes, the worker pool, the
+open requests, the draining flag), handed to routes as one FastAPI dependency; admission (lane, queue bound,
+the engine's own checks); and the shutdown's word: past the grace, every open request is ended with an error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from functools import lru_cache
@@ -11,11 +13,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, monotonic_to_unix
+from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, ShutdownError, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import APIError
 from twospeed.server.metrics import ServerMetrics
+from twospeed.server.prepare import Preparer
 from twospeed.server.slo import SLOTable
+from twospeed.server.workers import WorkerPool
 
 LANE_HEADER = "x-twospeed-lane"
 
@@ -32,16 +36,51 @@ class ServerState:
         self.slos = SLOTable(server_config.lanes())
         self.metrics = ServerMetrics(model_name)
         self.async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self._on_finish,
-                                        on_load=self.metrics.set_load)
+                                        on_load=self.metrics.set_load, on_fault=self.metrics.on_fault)
         self.to_unix = monotonic_to_unix()
         self.draining = False
         self.created = int(time.time())
+        self.workers: WorkerPool | None = None
+        self.prepare = Preparer(self)
+        self.open_groups: set[RequestGroup] = set()  # admitted, their response not yet finished
         self._decode_one = lru_cache(maxsize=65536)(self._decode_token)
 
     async def start(self) -> None:
+        self.workers = WorkerPool(self.config.prep_threads)
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
+
+    async def stop(self) -> None:
+        self.draining = True
+        self.end_open_requests()
+        await self.async_engine.shutdown()
+        if self.workers is not None:
+            self.workers.close()
+
+    async def run(self, fn, *args):
+        """fn(*args) in a worker thread (parse, render, tokenize, compile: never on the event loop)."""
+        return await self.workers.run(fn, *args)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work now; in-flight requests have shutdown_grace seconds, then end with an error."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(self.config.shutdown_grace, self.end_open_requests)
+
+    def end_open_requests(self) -> None:
+        """Every open request gets its end now: an error event and [DONE] for a stream, a 503 otherwise."""
+        grace = self.config.shutdown_grace
+        for group in list(self.open_groups):
+            group.close(ShutdownError(f"the server shut down before this request finished (shutdown grace {grace:g} s)"))
+            self.async_engine.abort(group)
+
+    def release(self, group: RequestGroup) -> None:
+        """The group's response is over (done, client gone, shutdown): abort what is left of it."""
+        self.open_groups.discard(group)
+        self.async_engine.abort(group)
 
     def _on_finish(self, lane, request, aborted):
         verdict = None if aborted else self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
@@ -58,7 +97,8 @@ class ServerState:
 
     # -- admission ------------------------------------------------------------------------------
     async def submit(self, body, request: Request, specs: list[SequenceSpec]) -> RequestGroup:
-        """Admission (lane, queue bound) and the engine's own validation; returns the running group."""
+        """Admission (lane, queue bound) and the engine's own validation; returns the running group, open until
+        release()."""
         lane_name = body.lane if body.lane is not None else request.headers.get(LANE_HEADER)
         try:
             lane = self.slos.admit(lane_name)
@@ -89,6 +129,7 @@ class ServerState:
             raise APIError(400, message, param=param) from None
         except RuntimeError as e:
             raise APIError(400, f"the engine refused this request: {e}") from None
+        self.open_groups.add(group)
         return group
 
 

@@ -2,8 +2,9 @@
 
 Both endpoints stream the same way — opening chunks, one chunk per engine delta carrying the tokens'
 emission times, an optional usage chunk with the request's whole clock and bill, then `[DONE]`; an
-engine failure or an abort becomes an OpenAI-style error event. What differs (a completion's text and
-logprobs, a chat delta and its tool call) is the `choice` function each endpoint passes in.
+engine failure, an abort or the end of the shutdown grace becomes an OpenAI-style error event followed by
+`[DONE]`, so a client always sees a complete stream. What differs (a completion's text and logprobs, a
+chat delta and its tool call) is the `choice` function each endpoint passes in.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from twospeed.server.async_engine import RequestGroup, StreamItem
+from twospeed.server.async_engine import RequestGroup, ShutdownError, StreamItem
 from twospeed.server.errors import APIError, error_body
 from twospeed.server.responses import request_twospeed, sequence_twospeed, server_timing, usage_json
 from twospeed.server.state import ServerState
@@ -49,7 +50,8 @@ async def stream_events(state: ServerState, group: RequestGroup, base: dict, ope
     while not group.done:
         item = await group.next()
         if item.error is not None or item.output is None:
-            yield sse(error_body(str(item.error) if item.error else ABORTED, "server_error"))
+            e = _item_error(item)
+            yield sse(error_body(e.message, e.type))
             break
         yield sse({**base, "choices": [choice(item)], "twospeed": chunk_twospeed(state, item)})
         if item.output.finished:
@@ -85,16 +87,22 @@ async def collect(state: ServerState, group: RequestGroup, request: Request) -> 
                 raise APIError(499, "client closed the request", "client_closed")
             if item.finished:
                 group.unfinished.discard(item.request_id)
-            if item.error is not None:
-                raise APIError(500, str(item.error), "server_error")
-            if item.output is None:
-                raise APIError(503, ABORTED, "service_unavailable")
+            if item.error is not None or item.output is None:
+                raise _item_error(item)
             if item.finished:
                 finals[item.index] = item
         return [finals[i] for i in sorted(finals)]
     finally:
         watcher.cancel()
-        state.async_engine.abort(group)
+        state.release(group)
+
+
+def _item_error(item: StreamItem) -> APIError:
+    """What a client is told when its sequence ended without an output: the engine failed it (500), or it was
+    aborted, at shutdown or past the grace (503)."""
+    if item.error is None or isinstance(item.error, ShutdownError):
+        return APIError(503, str(item.error) if item.error else ABORTED, "service_unavailable")
+    return APIError(500, str(item.error), "server_error")
 
 
 def final_response(group: RequestGroup, finals: list[StreamItem], body: dict) -> JSONResponse:
@@ -116,6 +124,6 @@ class SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._state.async_engine.abort(self._group)
+            self._state.release(self._group)
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
