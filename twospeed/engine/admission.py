@@ -1,6 +1,7 @@
 """Admission: every per-request field checked against the model before anything is allocated.
 
-A request that passes can never make a step raise: a bad field is a ValueError naming it (HTTP 400),
+A request that passes can never make a step raise: a bad field is an InvalidParam (a ValueError whose
+`param` names the field; HTTP 400),
 raised by `LLMEngine.add_request` before the request holds a KV block. SamplingParams checks what needs
 no model when it is built; this module adds what does. The whole table (tests/test_engine_admission.py
 tests each row):
@@ -32,7 +33,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from twospeed.engine.sampling_params import SamplingParams
+from twospeed.engine.sampling_params import InvalidParam, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +48,20 @@ class ModelLimits:
 def check_prompt(prompt: Sequence, limits: ModelLimits) -> list[int]:
     """The prompt's token ids as ints; ValueError if one is not a token of this model or they do not fit."""
     if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)):
-        raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidParam("prompt",
+                           f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
         bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral))
-        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+        raise InvalidParam("prompt", f"prompt token ids must be integers, got {bad!r}")
     ids = [int(t) for t in prompt]
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise InvalidParam("prompt", "the prompt is empty")
     vocab = limits.vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        raise InvalidParam("prompt", f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
     if len(ids) >= limits.max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens but {limits.len_limit} is {limits.max_model_len} "
-                         f"(the prompt and at least one output token must fit)")
+        raise InvalidParam("prompt", f"the prompt has {len(ids)} tokens but {limits.len_limit} is "
+                                     f"{limits.max_model_len} (the prompt and at least one output token must fit)")
     return ids
 
 
@@ -68,8 +70,10 @@ def check_params(params: SamplingParams, limits: ModelLimits, priority: int = 0)
     vocab = limits.vocab_size
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the model's vocabulary); got {bad[0]}")
+        raise InvalidParam("stop_token_ids",
+                           f"stop_token_ids must be in [0, {vocab}) (the model's vocabulary); got {bad[0]}")
     if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"logprobs asks for the top {params.logprobs} tokens but the vocabulary has {vocab}")
+        raise InvalidParam("logprobs",
+                           f"logprobs asks for the top {params.logprobs} tokens but the vocabulary has {vocab}")
     if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
+        raise InvalidParam("priority", f"priority must be an integer, got {priority!r}")

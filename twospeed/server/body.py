@@ -45,9 +45,8 @@ def load_body(raw: bytes) -> Any:
     if not utf8 or _SURROGATE_ESCAPE.search(text):
         where = find_invalid_unicode(data)
         if where is not None:
-            path = where or "body"
-            raise APIError(400, f"{path} is not valid Unicode (a lone surrogate such as \\ud800, or bytes that are "
-                                "not UTF-8)", param=where or None)
+            raise APIError(400, f"{where or 'the request body'} is not valid Unicode (a lone surrogate such as "
+                                "\\ud800, or bytes that are not UTF-8)", param=where or None)
     return data
 
 
@@ -103,10 +102,10 @@ def find_invalid_unicode(value: Any, path: str = "") -> str | None:
                 return where
         elif isinstance(node, dict):
             for key, item in node.items():
-                sub = f"{where}.{key}" if where else str(key)
-                if not _encodable(key):
-                    return where or "body"
-                stack.append((item, sub))
+                if not _encodable(key):  # named with the bad character escaped
+                    key = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return f"{where}.{key}" if where else key
+                stack.append((item, f"{where}.{key}" if where else str(key)))
         elif isinstance(node, list):
             stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(node))
     return None

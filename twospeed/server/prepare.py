@@ -139,10 +139,11 @@ class Preparer:
             return []
         self._need_tokenizer(param)
         tokenizer, limits = self.state.tokenizer, self.state.engine.limits
+        what = "the prompt" if param == "prompt" else "the conversation, as the chat template renders it,"
         for text in texts if limit else ():
             at_least = len(text) // (tokenizer.max_token_chars * _NORMALIZER_SLACK)
             if at_least > limits.max_model_len:
-                raise APIError(400, f"the {param} has at least {at_least:,} tokens ({len(text):,} characters) but "
+                raise APIError(400, f"{what} has at least {at_least:,} tokens ({len(text):,} characters) but "
                                     f"{limits.len_limit} is {limits.max_model_len}", param=param)
         return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
 
@@ -163,7 +164,8 @@ class Preparer:
         try:
             return body.sampling_params(max_tokens, logprobs, j)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            param = getattr(e, "param", None)
+            raise APIError(400, str(e), param=body.structured_param if param == "structured" else param) from None
 
     def _compile(self, body, specs: list[SequenceSpec]) -> None:
         """Compile the request's grammar into the engine's cache now, off the engine thread."""
