@@ -23,6 +23,7 @@ from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, 
 from twospeed.server.responses import chat_logprobs, completion_logprobs, tool_call_json, usage_json
 from twospeed.server.state import ServerState, State
 from twospeed.server.streaming import NO_TOKENS, SSEResponse, collect, final_response, stream_events
+from twospeed.server.tool_calls import as_generated
 
 router = APIRouter()
 BODY_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
@@ -176,7 +177,7 @@ def _tool_call(body: ChatCompletionRequest, text: str, finish: str | None) -> tu
     """(the tool call in a finished choice's text, its finish_reason): a complete call is "tool_calls"; one cut off
     by max_tokens keeps "length" and comes back with its partial arguments, as OpenAI returns it."""
     if finish == "stop" and (call := body.parse_tool_call(text)) is not None:
-        return call, "tool_calls"
+        return as_generated(text, call), "tool_calls"
     if finish == "length":
         return body.partial_tool_call(text), finish
     return None, finish

@@ -60,6 +60,16 @@ def parse_call(text: str, functions: dict[str, dict]) -> dict | None:
     return call
 
 
+def as_generated(text: str, call: dict) -> dict:
+    """A complete call with its arguments as the model wrote them (OpenAI's `arguments` is the model's text), so
+    a cut-off call's arguments are a prefix of the same call's whole arguments."""
+    head = _CALL_HEAD.match(text)
+    raw = head.group(3) if head is not None and head.group(3) else None
+    if raw is None or not raw.rstrip().endswith("}"):
+        return call
+    return {"name": call["name"], "arguments": raw.rstrip()[:-1]}
+
+
 def partial_call(text: str, functions: dict[str, dict]) -> dict | None:
     """A call cut off mid-way: {"name": the function (the one whose name fits what was generated; "" if several
     still do), "arguments": the arguments text so far (a JSON prefix)}; None if text is no call."""
