@@ -117,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # -- serve ---------------------------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ServerConfig (twospeed/server/app.py); defaults live there, not here."""
+    """Flags of ServerConfig (twospeed/server/config.py); defaults live there, not here."""
     parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 = any free port, the printed URL says which)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route (see the two flags below)")
