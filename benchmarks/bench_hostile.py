@@ -36,6 +36,8 @@ import uuid
 
 import httpx
 
+from twospeed.engine.request import percentile
+
 
 def hostile_bodies(scale: float) -> dict[str, tuple[str, dict]]:
     words = "latency throughput prefill decode token cache block schedule request stream batch".split()
@@ -94,11 +96,7 @@ async def run_case(base: str, case: tuple[str, bytes] | None, interval: float) -
 
 
 def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    k = (len(values) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    return percentile(sorted(values), p)
 
 
 def start_server() -> tuple[subprocess.Popen, str]:

@@ -199,7 +199,8 @@ def test_a_batch_that_fails_only_together_is_rerun_in_halves(engine, solo, monke
 NODE = {"type": "object", "required": ["value"], "additionalProperties": False,
         "properties": {"value": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}}
 TREE = {"type": "object", "required": ["name", "children"], "additionalProperties": False,
-        "properties": {"name": {"type": "string", "maxLength": 4}, "children": {"type": "array", "items": {"$ref": "#"}}}}
+        "properties": {"name": {"type": "string", "maxLength": 4},
+                       "children": {"type": "array", "items": {"$ref": "#"}}}}
 FINITE = [TREE, {"$defs": {"node": NODE}, "$ref": "#/$defs/node"}, {"type": "object"}, True,
           {"type": ["object", "null"], "required": ["a"], "properties": {"a": {"$ref": "#"}}},  # null stops it
           {"required": ["a"], "properties": {"a": {"$ref": "#"}}},  # no type: a number satisfies it

@@ -197,7 +197,8 @@ def test_tokenize_and_detokenize_match_the_tokenizer(server):
     text = "Prefill sets TTFT; decode sets ITL."
     r = post(server, "/tokenize", {"model": "demo", "prompt": text, "return_token_strs": True}).json()
     ids = tok.encode(text)
-    assert r == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids, "token_strs": tok.convert_ids_to_tokens(ids)}
+    assert r == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                 "token_strs": tok.convert_ids_to_tokens(ids)}
     plain = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
     assert post(server, "/detokenize", {"model": "demo", "tokens": plain}).json() == {"prompt": text}
     chat = post(server, "/tokenize", {"messages": USER, "tools": TOOLS}).json()

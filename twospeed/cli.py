@@ -120,7 +120,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ServerConfig (twospeed/server/config.py); defaults live there, not here."""
     parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 = any free port, the printed URL says which)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route (see the two flags below)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route (but see the next two)")
     parser.add_argument("--metrics-public", action="store_true", default=None,
                         help="with --api-key: leave /metrics and /health open")
     parser.add_argument("--docs-public", action="store_true", default=None,
@@ -133,7 +133,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", action="append", metavar="LANE:METRIC=DURATION[,...]",
                         help="a lane's SLO, e.g. drafting:ttft_p99=500ms,itl_p99=60ms (repeatable)")
     parser.add_argument("--slo-file", help="YAML: {lanes: {LANE: {METRIC: DURATION}}}")
-    parser.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 16 MiB); beyond: 413")
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 16 MiB), else 413")
     parser.add_argument("--max-tokens-policy", choices=("error", "clamp"),
                         help="a max_tokens beyond the room the prompt leaves: 400 naming both numbers (error, the "
                              "default, as OpenAI and vLLM) or cut to the room (clamp)")

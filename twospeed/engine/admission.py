@@ -10,7 +10,7 @@ tests each row):
 | --- | --- | --- |
 | prompt | non-empty; integers (not bools) in [0, vocab_size); fewer tokens than max_model_len | here |
 | request_id | not in use by an unfinished request | Scheduler.add_request |
-| max_tokens | an integer >= 1, or None (= the room left); more than the room left is clamped to it (the server refuses it unless `--max-tokens-policy clamp`) | SamplingParams; server |
+| max_tokens | an integer >= 1, or None (= the room left); beyond the room: clamped (the server: 400) | SamplingParams |
 | min_tokens | an integer in [0, max_tokens]; not with structured output | SamplingParams |
 | temperature | a finite number >= 0; below GREEDY_TEMPERATURE (1e-5) it is greedy | SamplingParams |
 | top_k | an integer >= -1 (0 and -1 disable it; at least the vocabulary also does) | SamplingParams |
@@ -21,10 +21,11 @@ tests each row):
 | stop_token_ids | integers in [0, vocab_size) | SamplingParams (type); here (range) |
 | logprobs | None, or an integer in [0, vocab_size] | SamplingParams (type); here (range) |
 | ignore_eos, include_stop_str_in_output, skip_special_tokens | booleans | SamplingParams |
-| structured | exactly one kind; a JSON schema valid against its meta-schema and admitting a finite document; a regex or grammar that compiles | StructuredOutput; structured.py |
+| structured | one kind; a schema valid and admitting a finite document; a regex/grammar that compiles | structured.py |
 | priority | an integer | here |
 
-Bias-like fields (logit_bias, penalties) are not implemented by the engine; the server refuses them.
+The server refuses a max_tokens the client set beyond the room (unless `--max-tokens-policy clamp`).
+Bias-like fields (logit_bias, penalties) are not implemented by the engine; the server refuses them too.
 """
 
 from __future__ import annotations

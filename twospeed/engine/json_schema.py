@@ -161,10 +161,13 @@ def _finite_as(kind: str, node: dict, finite: dict[str, bool]) -> bool:
         extra = node.get("additionalProperties", True)
         return all(_finite(props.get(name, extra), finite) for name in node.get("required", []))
     if kind == "array":
-        prefix = node.get("prefixItems", node.get("items") if isinstance(node.get("items"), list) else [])
-        items = node.get("items", True) if not isinstance(node.get("items"), list) else node.get("additionalItems", True)
+        tuple_items = isinstance(node.get("items"), list)  # draft 7's tuple form
+        prefix = node.get("prefixItems", node["items"] if tuple_items else [])
+        items = node.get("additionalItems", True) if tuple_items else node.get("items", True)
         needed = max(node.get("minItems", 0), 0)
         if "contains" in node and node.get("minContains", 1) > 0 and not _finite(node["contains"], finite):
             return False
-        return all(_finite(prefix[i] if i < len(prefix) else items, finite) for i in range(min(needed, len(prefix) + 1)))
+        # The first `needed` items must exist: the prefix's, then `items` (one check covers them all).
+        return all(_finite(prefix[i] if i < len(prefix) else items, finite)
+                   for i in range(min(needed, len(prefix) + 1)))
     return True

@@ -52,12 +52,11 @@ class StructuredOutput:
                                           ("regex", self.regex), ("choice", self.choice),
                                           ("grammar", self.grammar)) if value is not None]
         if len(given) != 1:
-            raise InvalidParam("structured", "structured output needs exactly one of json, json_object, regex, choice, "
-                                             "grammar; "
-                             f"got {given or 'none'}")
+            raise InvalidParam("structured", "structured output needs exactly one of json, json_object, regex, "
+                                             f"choice, grammar; got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise InvalidParam("structured", "structured output: a JSON schema is an object or a boolean, "
-                             f"got {type(self.json).__name__}")
+                                             f"got {type(self.json).__name__}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
@@ -106,27 +105,11 @@ class SamplingParams:
             self.structured = StructuredOutput(json=self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidParam("structured", f"structured must be a StructuredOutput or a JSON schema dict, "
-                             f"got {type(self.structured).__name__}")
+                                             f"got {type(self.structured).__name__}")
         if self.structured is not None and self.min_tokens:
-            raise InvalidParam("min_tokens", "min_tokens cannot be combined with structured output: the grammar decides "
-                                             
-                             "where the document ends")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
-        self.min_tokens = _int("min_tokens", self.min_tokens)
-        self.top_k = _int("top_k", self.top_k)
-        self.seed = None if self.seed is None else _int("seed", self.seed)
-        self.logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise InvalidParam("stop_token_ids",
-                               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
-        self.temperature, self.top_p, self.min_p = (_float(name, getattr(self, name))
-                                                    for name in ("temperature", "top_p", "min_p"))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidParam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+            raise InvalidParam("min_tokens", "min_tokens cannot be combined with structured output: the grammar "
+                                             "decides where the document ends")
+        self._check_types()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -146,10 +129,30 @@ class SamplingParams:
             raise InvalidParam("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParam("stop", "stop strings must be non-empty strings")
-        if any(not _valid_unicode(s) for s in self.stop):
+        if any(not valid_unicode(s) for s in self.stop):
             raise InvalidParam("stop", "stop strings must be valid Unicode (no lone surrogates)")
         if self.top_k == -1:
             self.top_k = 0
+
+    def _check_types(self) -> None:
+        """Counts are integers (numpy's too, not bools), rates numbers, flags booleans: a float token id or a
+        string temperature would otherwise fail later, inside a batched step."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        self.top_k = _int("top_k", self.top_k)
+        self.seed = None if self.seed is None else _int("seed", self.seed)
+        self.logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+        self.temperature, self.top_p, self.min_p = (_float(name, getattr(self, name))
+                                                    for name in ("temperature", "top_p", "min_p"))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -169,7 +172,8 @@ def _float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _valid_unicode(text: str) -> bool:
+def valid_unicode(text: str) -> bool:
+    """False for text with a lone surrogate (no UTF-8 spelling), which tokenizers and JSON encoders reject."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

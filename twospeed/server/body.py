@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from twospeed.engine.sampling_params import valid_unicode
 from twospeed.server.errors import APIError, validation_error
 
 _decoder = json.JSONDecoder()
@@ -98,25 +99,17 @@ def find_invalid_unicode(value: Any, path: str = "") -> str | None:
     while stack:
         node, where = stack.pop()
         if isinstance(node, str):
-            if not _encodable(node):
+            if not valid_unicode(node):
                 return where
         elif isinstance(node, dict):
             for key, item in node.items():
-                if not _encodable(key):  # named with the bad character escaped
+                if not valid_unicode(key):  # named with the bad character escaped
                     key = key.encode("utf-8", "backslashreplace").decode("utf-8")
                     return f"{where}.{key}" if where else key
                 stack.append((item, f"{where}.{key}" if where else str(key)))
         elif isinstance(node, list):
             stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in enumerate(node))
     return None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # -- validation, long lists item by item -----------------------------------------------------------------

@@ -78,9 +78,9 @@ class ServerState:
 
     def end_open_requests(self) -> None:
         """Every open request gets its end now: an error event and [DONE] for a stream, a 503 otherwise."""
-        grace = self.config.shutdown_grace
+        message = f"the server shut down before this request finished (shutdown grace {self.config.shutdown_grace:g} s)"
         for group in list(self.open_groups):
-            group.close(ShutdownError(f"the server shut down before this request finished (shutdown grace {grace:g} s)"))
+            group.close(ShutdownError(message))
             self.async_engine.abort(group)
 
     def release(self, group: RequestGroup) -> None:
