@@ -5,7 +5,7 @@ Run:  .venv/bin/python benchmarks/bench_structured.py [--calls 24] [--device cpu
 
 The model is the demo checkpoint (random weights, 8192-token BPE). Each call is a chat prompt (the
 checkpoint's template with two tools rendered in) and tool_choice "required": the grammar is the server's
-(twospeed/server/protocol.py tool_call_schema), compiled by llguidance. Greedy, so the two modes must emit
+(twospeed/server/tool_calls.py tool_call_schema), compiled by llguidance. Greedy, so the two modes must emit
 the same tokens (checked). Per mode:
 
   (a) one call at a time (the agent-loop case): engine steps (= forward passes) per call, decode steps

@@ -432,7 +432,7 @@ METRIC_NAMES = {  # the names the issue lists, and nothing else
     "twospeed:prefix_cache_hits_total": "counter", "twospeed:num_preemptions_total": "counter",
     "twospeed:slo_requests_total": "counter", "twospeed:num_requests_running": "gauge",
     "twospeed:num_requests_waiting": "gauge", "twospeed:kv_cache_usage_ratio": "gauge",
-    "twospeed:kv_cache_cached_blocks": "gauge"}
+    "twospeed:kv_cache_cached_blocks": "gauge", "twospeed:engine_step_failures_total": "counter"}
 
 
 def test_metric_names_types_and_labels(server):

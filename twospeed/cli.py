@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import random
 import sys
 import time
@@ -115,12 +117,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # -- serve ---------------------------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ServerConfig (twospeed/server/app.py); defaults live there, not here."""
+    """Flags of ServerConfig (twospeed/server/config.py); defaults live there, not here."""
     parser.add_argument("--host", help="address to bind (default 127.0.0.1: loopback only)")
     parser.add_argument("--port", type=int, help="port (default 8000; 0 = any free port, the printed URL says which)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route (but see the next two)")
     parser.add_argument("--metrics-public", action="store_true", default=None,
                         help="with --api-key: leave /metrics and /health open")
+    parser.add_argument("--docs-public", action="store_true", default=None,
+                        help="with --api-key: leave /openapi.json, /docs and /redoc open")
     parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     parser.add_argument("--max-waiting", type=int,
                         help="sequences admitted but not yet scheduled (default 256); beyond it: 429 + Retry-After")
@@ -129,6 +133,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo", action="append", metavar="LANE:METRIC=DURATION[,...]",
                         help="a lane's SLO, e.g. drafting:ttft_p99=500ms,itl_p99=60ms (repeatable)")
     parser.add_argument("--slo-file", help="YAML: {lanes: {LANE: {METRIC: DURATION}}}")
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 16 MiB), else 413")
+    parser.add_argument("--max-tokens-policy", choices=("error", "clamp"),
+                        help="a max_tokens beyond the room the prompt leaves: 400 naming both numbers (error, the "
+                             "default, as OpenAI and vLLM) or cut to the room (clamp)")
+    parser.add_argument("--prep-threads", type=int,
+                        help="worker threads that parse, tokenize and compile requests off the event loop (default 2)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -146,7 +156,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"twospeed serve: {e}", file=sys.stderr)
         return 2
-    return run_server(engine_config, server_config, log_level=args.log_level)
+    rc = run_server(engine_config, server_config, log_level=args.log_level)
+    # Everything is shut down by now (responses ended, the engine thread joined, logs written): skip the
+    # interpreter's teardown of torch and the model (~0.5 s), so the process exits when the grace says.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 # -- prefix-score, clock ------------------------------------------------------------------------------

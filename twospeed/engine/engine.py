@@ -5,12 +5,18 @@ One step is: schedule (which tokens of which requests, on which blocks), run
 tokens, clock and bill and check its stop conditions. The engine core is
 synchronous; the server drives `step()` from its own loop. After every step
 `last_stats` holds a `StepStats` for metrics.
+
+No request can fail another: admission.py refuses a bad field before anything is
+allocated, and if running or sampling a step raises anyway, isolation.py finds the
+request(s) that caused it; only those finish with status "error" (their `error`
+names the exception), the others get their tokens as if nothing happened.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +24,8 @@ from pathlib import Path
 import torch
 
 from twospeed.config import DTYPES, EngineConfig
+from twospeed.engine.admission import ModelLimits, check_params, check_prompt
+from twospeed.engine.isolation import execute_isolating, sample_isolating
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
 from twospeed.engine.runner import ModelRunner, num_blocks_for
@@ -79,6 +87,7 @@ class LLMEngine:
             self._len_limit = f"max_model_len (limited by the KV pool: {self.num_blocks} blocks of {cache.block_size} tokens)"
         self.scheduler_config = dataclasses.replace(sched, max_model_len=max_len)
         self.max_model_len = max_len
+        self.limits = ModelLimits(self.model_config.vocab_size, max_len, self._len_limit)
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend)
@@ -89,9 +98,11 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = frozenset(t for t in eos if 0 <= t < self.model_config.vocab_size)
         self._grammars = None  # structured.GrammarCompiler, made on the first constrained request
+        self._grammars_lock = threading.Lock()  # the server compiles grammars in worker threads too
         self.last_stats: StepStats | None = None
+        self.num_step_failures = 0  # steps that raised and were isolated to the request(s) that caused it
         self._counter = 0
 
     # -- requests -------------------------------------------------------------------------------
@@ -107,15 +118,9 @@ class LLMEngine:
                 raise ValueError("text prompts need a tokenizer (the engine was started with skip_tokenizer_init)")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but {self._len_limit} is {self.max_model_len} "
-                             f"(the prompt and at least one output token must fit)")
+            text, ids = None, prompt
+        ids = check_prompt(ids, self.limits)
+        check_params(params, self.limits, priority)
         room = self.max_model_len - len(ids)
         grammar = self._grammar_state(params) if params.structured is not None else None
         req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,
@@ -135,14 +140,15 @@ class LLMEngine:
     @property
     def grammars(self):
         """The engine's GrammarCompiler (llguidance tokenizer + compiled-grammar cache), made on first use."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer "
-                                 "(the engine was started with skip_tokenizer_init)")
-            from twospeed.engine.structured import GrammarCompiler
-            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                             self.eos_token_ids)
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs a tokenizer "
+                                     "(the engine was started with skip_tokenizer_init)")
+                from twospeed.engine.structured import GrammarCompiler
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            return self._grammars
 
     def _grammar_state(self, params: SamplingParams):
         return self.grammars.new_state(params.structured)
@@ -163,23 +169,36 @@ class LLMEngine:
         start = time.monotonic()
         out = self.scheduler.schedule()
         touched: list[Request] = []
+        errored: list[Request] = []
         if out.chunks:
-            logits, sampling = self.runner.execute(out.chunks, self.kv)
+            logits, sampling, failed = execute_isolating(lambda chunks: self.runner.execute(chunks, self.kv),
+                                                         out.chunks)
+            errored += self._fail_all(failed, "running the model")
+            touched += errored
+            out.chunks = [c for c in out.chunks if not c.request.is_finished]
             self.scheduler.update_after_step(out, time.monotonic())
             requests = [c.request for c in sampling]
-            tokens, logprobs = self.sampler(logits, requests)
+            tokens, logprobs = [], []
+            if requests:
+                tokens, logprobs, failed = sample_isolating(self.sampler, self.sampler.generator, logits, requests)
+                errored += self._fail_all(failed, "sampling")
             now = time.monotonic()
             for req, token, lp in zip(requests, tokens, logprobs):
-                req.append_token(token, now)
-                if lp is not None:
-                    req.logprobs.append(lp)
                 touched.append(req)
-                if req.grammar is not None and not req.grammar.accept(token):
-                    self._grammar_failed(req)
+                if req.is_finished:  # failed while sampling
                     continue
-                self._check_stop(req)
-                if req.grammar is not None:
-                    self._jump_forward(req, now)
+                try:
+                    self._update(req, token, lp, now)
+                except Exception as e:  # a detokenizer or grammar bug: this request's alone
+                    errored += self._fail_all({req: e}, "updating it")
+        outputs = []
+        for req in touched:
+            try:
+                outputs.append(self._output(req))
+            except Exception as e:
+                errored += self._fail_all({req: e}, "detokenizing it")
+                outputs.append(self._output(req))
+        self.num_step_failures += bool(errored)
         end = time.monotonic()
         self.last_stats = StepStats(
             time=end, step_time=end - start, num_prefill_tokens=out.num_prefill_tokens,
@@ -187,7 +206,28 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_preempted=len(out.preempted),
             kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks)
-        return [self._output(r) for r in touched]
+        return outputs
+
+    def _update(self, req: Request, token: int, lp, now: float) -> None:
+        """Append a sampled token, then stop conditions and jump-forward."""
+        req.append_token(token, now)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.grammar is not None and not req.grammar.accept(token):
+            self._grammar_failed(req)
+            return
+        self._check_stop(req)
+        if req.grammar is not None:
+            self._jump_forward(req, now)
+
+    def _fail_all(self, failed: dict[Request, Exception], doing: str) -> list[Request]:
+        """End the requests a step failed on, each with the error named; the step's others go on."""
+        for req, e in failed.items():
+            log.error("request %s failed the step (%s): %s: %s", req.request_id, doing, type(e).__name__, e,
+                      exc_info=e)
+            req.error = f"the engine failed this request while {doing}: {type(e).__name__}: {e}"
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        return list(failed)
 
     def _jump_forward(self, req: Request, now: float) -> None:
         """Append the tokens the grammar forces (its mask allows one token only): no forward pass picks
@@ -232,16 +272,16 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.output_token_ids[req.num_emitted:]
-        req.num_emitted = len(req.output_token_ids)
         new_text = ""
-        if req.detokenizer is not None:
+        if req.detokenizer is not None and req.error is None:  # a failed request keeps the text it had
             if req.is_finished:
                 req.detokenizer.finish()
             new_text = req.detokenizer.take_delta()
             req.text = req.detokenizer.output_text
+        req.num_emitted = len(req.output_token_ids)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=req.text, new_token_ids=new_ids, new_text=new_text,
             finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions)
+            clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions, error=req.error)

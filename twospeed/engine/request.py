@@ -23,10 +23,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed this request alone (Request.error says how); the rest went on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 @dataclass(slots=True)
@@ -138,6 +140,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.error: str | None = None  # why the engine failed it (status FINISHED_ERROR)
         self.clock = Clock(arrival=time.monotonic() if arrival_time is None else arrival_time)
         self.bill = Bill(prompt_tokens=len(prompt_token_ids))
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
@@ -198,3 +201,4 @@ class RequestOutput:
     clock: Clock
     bill: Bill
     num_preemptions: int = 0
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")

@@ -1,11 +1,29 @@
-"""Per-request sampling and stopping parameters, validated on construction."""
+"""Per-request sampling and stopping parameters, validated on construction.
+
+These are the checks that need no model; engine/admission.py adds those against the model (vocabulary,
+context length) and holds the table of every rule.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 overflows to inf,
+# and softmax over infs is NaN, where the limit of ever-colder sampling is the argmax.
+GREEDY_TEMPERATURE = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
+
+
+class InvalidParam(ValueError):
+    """A request field that breaks an admission rule; `param` names the field (the server's 400 says which)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -29,30 +47,32 @@ class StructuredOutput:
             try:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured output: the JSON schema is not valid JSON: {e}") from e
+                raise InvalidParam("structured", f"structured output: the JSON schema is not valid JSON: {e}") from e
         given = [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
                                           ("regex", self.regex), ("choice", self.choice),
                                           ("grammar", self.grammar)) if value is not None]
         if len(given) != 1:
-            raise ValueError("structured output needs exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {given or 'none'}")
+            raise InvalidParam("structured", "structured output needs exactly one of json, json_object, regex, "
+                                             f"choice, grammar; got {given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError("structured output: a JSON schema is an object or a boolean, "
-                             f"got {type(self.json).__name__}")
+            raise InvalidParam("structured", "structured output: a JSON schema is an object or a boolean, "
+                                             f"got {type(self.json).__name__}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError("structured output: choice must be a non-empty list of non-empty strings")
+                raise InvalidParam("structured",
+                                   "structured output: choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured output: {name} must be a non-empty string")
+                raise InvalidParam("structured", f"structured output: {name} must be a non-empty string")
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar")
-                    if getattr(self, k) not in (None, False))
+        if self.json is not None:  # a schema may be the boolean false (nothing matches: admission refuses it)
+            return "json"
+        return next(k for k in ("json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
         """The content the compiled grammar depends on (the compile cache's key)."""
@@ -67,7 +87,7 @@ class SamplingParams:
 
     max_tokens: int | None = 16  # output tokens at most; None = up to max_model_len
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were emitted
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 (anything below GREEDY_TEMPERATURE) is greedy
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -84,32 +104,78 @@ class SamplingParams:
         if isinstance(self.structured, dict):
             self.structured = StructuredOutput(json=self.structured)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be a StructuredOutput or a JSON schema dict, "
-                             f"got {type(self.structured).__name__}")
+            raise InvalidParam("structured", f"structured must be a StructuredOutput or a JSON schema dict, "
+                                             f"got {type(self.structured).__name__}")
         if self.structured is not None and self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides "
-                             "where the document ends")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            raise InvalidParam("min_tokens", "min_tokens cannot be combined with structured output: the grammar "
+                                             "decides where the document ends")
+        self._check_types()
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise InvalidParam("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k}")
+            raise InvalidParam("top_k",
+                               f"top_k must be -1 or 0 (disabled) or a positive count, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidParam("seed", f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidParam("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidParam("stop", "stop strings must be non-empty strings")
+        if any(not valid_unicode(s) for s in self.stop):
+            raise InvalidParam("stop", "stop strings must be valid Unicode (no lone surrogates)")
         if self.top_k == -1:
             self.top_k = 0
 
+    def _check_types(self) -> None:
+        """Counts are integers (numpy's too, not bools), rates numbers, flags booleans: a float token id or a
+        string temperature would otherwise fail later, inside a batched step."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.max_tokens = None if self.max_tokens is None else _int("max_tokens", self.max_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        self.top_k = _int("top_k", self.top_k)
+        self.seed = None if self.seed is None else _int("seed", self.seed)
+        self.logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+        self.temperature, self.top_p, self.min_p = (_float(name, getattr(self, name))
+                                                    for name in ("temperature", "top_p", "min_p"))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _int(name: str, value: Any) -> int:
+    # numpy integers are fine; a bool is not a count, a float is not an id.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidParam(name, f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParam(name, f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def valid_unicode(text: str) -> bool:
+    """False for text with a lone surrogate (no UTF-8 spelling), which tokenizers and JSON encoders reject."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

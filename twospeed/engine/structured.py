@@ -20,13 +20,14 @@ model, so jump-forward never changes which tokens a greedy request emits.
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-import jsonschema
 import llguidance as llg
 import numpy as np
 
+from twospeed.engine.json_schema import SchemaProblem, check_schema
 from twospeed.engine.sampling_params import StructuredOutput
 
 _GBNF_FIRST_RULE = re.compile(r"\s*(?:#[^\n]*\n\s*)*[A-Za-z][\w-]*\s*::=")
@@ -39,7 +40,8 @@ class GrammarCompiler:
     """One per engine: the llguidance tokenizer and compiled grammars cached by content (LRU).
 
     A cached entry is a matcher that never consumed a token; each request gets a deep copy, which
-    costs microseconds where compiling a schema costs milliseconds.
+    costs microseconds where compiling a schema costs milliseconds. Thread-safe: the server compiles in
+    worker threads ahead of admission, so the engine thread finds the grammar cached.
     """
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], cache_size: int = 256):
@@ -49,6 +51,7 @@ class GrammarCompiler:
         self.ll_tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], llg.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -57,10 +60,10 @@ class GrammarCompiler:
         kind = spec.kind
         if kind == "json":
             try:
-                jsonschema.validators.validator_for(spec.json).check_schema(spec.json)
-            except jsonschema.SchemaError as e:
+                check_schema(spec.json)  # cached: the server checked this very schema already
+            except SchemaProblem as e:
                 where = "/".join(str(p) for p in e.path) or "(root)"
-                raise ValueError(f"invalid JSON schema at {where}: {e.message}") from None
+                raise ValueError(f"invalid JSON schema at {where}: {e.detail or 'it ' + e.reason}") from None
             return llg.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_DEFAULTS)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -78,12 +81,13 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutput) -> llg.LLMatcher:
         """A fresh matcher for spec (from the cache when its content was compiled before)."""
         key = spec.key()
-        proto = self._cache.get(key)
-        if proto is not None:
-            self._cache.move_to_end(key)
-            self.hits += 1
-            return proto.deep_copy()
-        self.misses += 1
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return proto.deep_copy()
+            self.misses += 1
         try:
             grammar = self.grammar_text(spec)
         except ValueError:
@@ -96,9 +100,13 @@ class GrammarCompiler:
             raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {e}") from None
         if proto.is_error():
             raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {proto.get_error().strip()}")
-        self._cache[key] = proto
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        if spec.kind in ("json", "json_object") and proto.is_stopped():
+            # Nothing but the empty text matches, and the empty text is no JSON document.
+            raise ValueError("structured output (json): invalid JSON schema at (root): it admits no document")
+        with self._lock:
+            self._cache[key] = proto
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return proto.deep_copy()
 
     def new_state(self, spec: StructuredOutput) -> GrammarState:

@@ -40,6 +40,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_templates = dict(chat_templates or {})
         self._compiled: dict[str, jinja2.Template] = {}
+        self._max_token_chars: int | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -72,6 +73,19 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text. `tokenizers` releases the GIL while it works here (encode() holds it), so a
+        long text tokenized in a worker thread does not stall the others (the server's event loop)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (added tokens included): a text of n characters has at
+        least n / max_token_chars tokens, before normalization."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

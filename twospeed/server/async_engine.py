@@ -14,8 +14,10 @@ Loading the model in the main thread and stepping it in another cost 40% of a ba
 cores (13 -> 18 ms; BENCHMARKS.md). With the build in the engine thread, that thread is the only pool.
 
 Nothing a request does may kill the thread: add_request's ValueError goes back to the
-handler (a 400); an unexpected exception in a step fails the sequences then in flight
-(each handler gets the error) and the loop goes on.
+handler (a 400); a request the engine failed alone (finish_reason "error": the engine
+isolated a step failure to it) gets its error; an exception that escapes a step anyway
+fails the sequences then in flight (each handler gets the error) and the loop goes on.
+`on_fault` counts both, by scope ("request" or "step").
 
 Inputs: token ids and SamplingParams per sequence. Outputs: `StreamItem`s (the engine's
 RequestOutput, the emission time of each new token, and the SLO verdict once finished).
@@ -58,10 +60,19 @@ class StreamItem:
     token_times: list[float]  # monotonic emission time of each of output.new_token_ids
     verdict: Verdict | None = None  # set on the sequence's last item
     error: BaseException | None = None  # the engine failed this sequence
+    ends_group: bool = False  # the event loop closed the whole group (RequestGroup.close)
 
     @property
     def finished(self) -> bool:
         return self.output is None or self.error is not None or self.output.finished
+
+
+class EngineError(RuntimeError):
+    """The engine failed this sequence (a bug, not the client's input)."""
+
+
+class ShutdownError(RuntimeError):
+    """The server shut down before this request finished."""
 
 
 @dataclass(eq=False)
@@ -77,9 +88,16 @@ class RequestGroup:
 
     async def next(self) -> StreamItem:
         item = await self.queue.get()
-        if item.finished:
+        if item.ends_group:
+            self.unfinished.clear()
+        elif item.finished:
             self.unfinished.discard(item.request_id)
         return item
+
+    def close(self, error: BaseException) -> None:
+        """End the group from the event loop now (shutdown): its reader's next item carries `error`. The engine
+        side is aborted separately (AsyncEngine.abort)."""
+        self.queue.put_nowait(StreamItem("", -1, None, [], error=error, ends_group=True))
 
     @property
     def done(self) -> bool:
@@ -97,8 +115,9 @@ FinishHook = Callable[[str, Request, bool], Verdict | None]  # (lane, request, a
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, on_step: Callable | None = None, on_finish: FinishHook | None = None,
-                 on_load: Callable[[dict, dict, float, int], None] | None = None):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, on_step: Callable | None = None,
+                 on_finish: FinishHook | None = None, on_load: Callable[[dict, dict, float, int], None] | None = None,
+                 on_fault: Callable[[str], None] | None = None):
         # an engine, or a builder that start() runs in the engine thread (see the module docstring)
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = engine if self._build is None else None
@@ -106,6 +125,7 @@ class AsyncEngine:
         self._on_step = on_step  # (StepStats) -> None, in the engine thread
         self._on_finish = on_finish  # called in the engine thread when a sequence ends
         self._on_load = on_load  # (running by lane, waiting by lane, kv usage, cached blocks)
+        self._on_fault = on_fault  # ("request" | "step"): a step failure, isolated or not
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -273,15 +293,19 @@ class AsyncEngine:
             return None
 
     def _step(self) -> None:
+        isolated = self.engine.num_step_failures
         try:
             outputs = self.engine.step()
         except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
             self.step_failures += 1
             log.exception("engine step failed; failing %d in-flight sequences", len(self._tracked))
-            self._abort_all(RuntimeError(f"the engine failed this request: {type(e).__name__}: {e}"))
+            self._fault("step")
+            self._abort_all(EngineError(f"the engine failed this request: {type(e).__name__}: {e}"))
             self._publish_load()
             return
         self.steps += 1
+        if self.engine.num_step_failures != isolated:
+            self._fault("request")
         batch = []
         for out in outputs:
             t = self._tracked.get(out.request_id)
@@ -289,9 +313,11 @@ class AsyncEngine:
                 continue
             k = len(out.new_token_ids)
             item = StreamItem(out.request_id, t.spec.index, out, t.request.clock.token_times[-k:] if k else [])
+            if out.error is not None:
+                item.error = EngineError(out.error)
             if out.finished:
                 del self._tracked[out.request_id]
-                item.verdict = self._finish_hook(t, aborted=False)
+                item.verdict = self._finish_hook(t, aborted=out.error is not None)
             batch.append((t.group, item))
         self._post(batch)
         stats = self.engine.last_stats
@@ -301,6 +327,13 @@ class AsyncEngine:
             except Exception:
                 log.exception("step hook failed")
         self._publish_load()
+
+    def _fault(self, scope: str) -> None:
+        if self._on_fault is not None:
+            try:
+                self._on_fault(scope)
+            except Exception:
+                log.exception("fault hook failed")
 
     def _post(self, batch: list) -> None:
         if batch:

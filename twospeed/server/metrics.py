@@ -67,6 +67,12 @@ class ServerMetrics:
         self.kv_cached = Gauge("twospeed:kv_cache_cached_blocks",
                                "KV blocks holding a cached prefix (in use or free and reusable)", ("model",),
                                registry=r)
+        self.step_failures = Counter("twospeed:engine_step_failures",
+                                     "engine steps that raised, by scope: request (only the requests that caused it "
+                                     "failed) or step (every sequence in flight failed)", ("model", "scope"),
+                                     registry=r)
+        for scope in ("request", "step"):
+            self.step_failures.labels(self.model, scope)
         self._lanes: set[str] = set()
         self.set_load({}, {}, 0.0, 0)
 
@@ -76,6 +82,9 @@ class ServerMetrics:
             self.step_tokens.labels("prefill", self.model).observe(stats.num_prefill_tokens)
         if stats.num_decode_tokens:
             self.step_tokens.labels("decode", self.model).observe(stats.num_decode_tokens)
+
+    def on_fault(self, scope: str) -> None:
+        self.step_failures.labels(self.model, scope).inc()
 
     def set_load(self, running: dict[str, int], waiting: dict[str, int], kv_usage: float, cached_blocks: int) -> None:
         """Per-lane running/waiting counts (lanes not named are 0) and the pool's state."""

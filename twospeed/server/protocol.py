@@ -20,18 +20,20 @@ text that does not start with "{" (so the first character decides, and streaming
 from __future__ import annotations
 
 import json
-import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-import jsonschema
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, WithJsonSchema
 
-from twospeed.engine.sampling_params import SamplingParams, StructuredOutput
+from twospeed.engine import json_schema
+from twospeed.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutput
+from twospeed.server.errors import UnsupportedValue
+from twospeed.server.messages import ChatMessage, ContentPart, check_conversation  # noqa: F401 (re-exported)
+from twospeed.server.tool_calls import (FUNCTION_NAME, RESPONSE_FORMAT_SCHEMA, TOOL_CHOICE_SCHEMA, TOOLS_SCHEMA,
+                                        parse_call, partial_call, tool_call_schema)
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # as OpenAI
 MAX_STOP = 16
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator accepts
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -45,37 +47,17 @@ Int = Annotated[int, BeforeValidator(_integral)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
 def check_schema(schema: Any, param: str, where: str) -> dict | bool:
-    """A JSON schema checked against its meta-schema; a 400 naming where it is wrong otherwise."""
+    """A JSON schema checked against its meta-schema and for a finite document (once per distinct schema);
+    a 400 naming where it is wrong otherwise."""
     if not isinstance(schema, (dict, bool)):
         raise UnsupportedValue(param, f"{where} must be a JSON schema object")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
+        json_schema.check_schema(schema)
+    except json_schema.SchemaProblem as e:
         at = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        raise UnsupportedValue(param, f"{where}{at} is not a valid JSON schema: {e.message}") from None
-    except RecursionError:
-        raise UnsupportedValue(param, f"{where} is nested too deeply") from None
+        raise UnsupportedValue(param, f"{where}{at} {e.reason}") from None
     return schema
-
-
-def tool_call_schema(functions: dict[str, dict]) -> dict:
-    """The JSON schema of one call of one of these functions: {"name": <const>, "arguments": <its parameters>}."""
-    alternatives = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                     "properties": {"name": {"const": name}, "arguments": params}}
-                    for name, params in functions.items()]
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-
-
-class UnsupportedValue(ValueError):
-    """A field OpenAI defines, set to a value twospeed does not implement."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class _Model(BaseModel):
@@ -111,7 +93,8 @@ class _SamplingRequest(_Model):
     priority: Int | None = Field(None, ge=-(2**31), le=2**31 - 1,
                                  description="scheduling priority (lower first) with --scheduling-policy priority")
     return_token_ids: bool = False
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
+    _structured: Any = PrivateAttr(default=False)  # structured_output(), computed once (False: not yet)
 
     def check_supported(self) -> None:
         self.response_format_output()  # raises on a malformed response_format or an invalid schema
@@ -147,6 +130,12 @@ class _SamplingRequest(_Model):
                                                   "(use text, json_object or json_schema)")
 
     def structured_output(self) -> StructuredOutput | None:
+        """The request's constrained output (computed once: its schemas are checked then)."""
+        if self._structured is False:
+            self._structured = self._structured_output()
+        return self._structured
+
+    def _structured_output(self) -> StructuredOutput | None:
         return self.response_format_output()
 
     @property
@@ -205,28 +194,6 @@ class CompletionRequest(_SamplingRequest):
         return batch
 
 
-class ContentPart(_Model):
-    type: Literal["text"]  # images and audio are not supported
-    text: str
-
-
-class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def to_template(self) -> dict:
-        """The message as a chat template reads it: content parts joined to one string."""
-        out = self.model_dump(exclude_none=True)
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise UnsupportedValue("messages", f"a {self.role!r} message needs content")
-        if isinstance(self.content, list):
-            out["content"] = "".join(part.text for part in self.content)
-        return out
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -234,14 +201,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[Any, WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
     modalities: list[str] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    _functions: dict | None = PrivateAttr(default=None)
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_conversation(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs requires logprobs: true")
         functions = self.functions()
@@ -255,14 +224,19 @@ class ChatCompletionRequest(_SamplingRequest):
             raise UnsupportedValue("modalities", "only the text modality is supported")
 
     def functions(self) -> dict[str, dict]:
-        """The tools' functions by name, each with a checked parameters schema."""
+        """The tools' functions by name, each with a checked parameters schema (checked once)."""
+        if self._functions is None:
+            self._functions = self._read_functions()
+        return self._functions
+
+    def _read_functions(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for i, tool in enumerate(self.tools or []):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict):
                 raise UnsupportedValue("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
             name = fn.get("name")
-            if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
                 raise UnsupportedValue("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ or -; "
                                                 f"got {name!r}")
             if name in out:
@@ -287,7 +261,7 @@ class ChatCompletionRequest(_SamplingRequest):
         raise UnsupportedValue("tool_choice", "tool_choice must be \"none\", \"auto\", \"required\" or "
                                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
 
-    def structured_output(self) -> StructuredOutput | None:
+    def _structured_output(self) -> StructuredOutput | None:
         mode = self.tool_mode
         if mode == "none":
             return self.response_format_output()
@@ -310,17 +284,47 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def parse_tool_call(self, text: str) -> dict | None:
         """The {"name", "arguments"} object a tool grammar produced, or None for plain text / a cut-off call."""
-        if self.tool_mode == "none" or not text.startswith("{"):
+        return None if self.tool_mode == "none" else parse_call(text, self.functions())
+
+    def partial_tool_call(self, text: str) -> dict | None:
+        """A call cut off by max_tokens ({"name", "arguments": the JSON text so far}), or None for plain text."""
+        if self.tool_mode == "none":
             return None
-        try:
-            call = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict) or call.get("name") not in self.functions() \
-                or not isinstance(call.get("arguments"), dict):
-            return None
-        return call
+        functions = self.functions()
+        if self.tool_mode not in ("auto", "required"):
+            functions = {self.tool_mode: functions[self.tool_mode]}
+        return partial_call(text, functions)
 
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------------
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Model):
+    """POST /tokenize with messages: the prompt the chat template renders, as /v1/chat/completions would."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[Int]

@@ -131,7 +131,10 @@ def chat_logprobs(token_text: Callable[[int], str], lps: list[Logprob], top_n: i
 # -- tool calls ------------------------------------------------------------------------------------
 def tool_call_json(call: dict, index: int | None = None) -> dict:
     """One OpenAI tool call from the {"name", "arguments"} object a tool grammar produced (arguments as a
-    JSON string, as OpenAI sends them); streamed deltas carry the call's index too."""
+    JSON string, as OpenAI sends them; a cut-off call's arguments are already the text so far); streamed
+    deltas carry the call's index too."""
+    args = call["arguments"]
     out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+           "function": {"name": call["name"],
+                        "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
     return out if index is None else {"index": index, **out}

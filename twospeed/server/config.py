@@ -1,0 +1,45 @@
+"""ServerConfig: how the HTTP server listens, authenticates, admits and shuts down (the engine has its own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from twospeed.server.slo import LaneSLO, load_slo_file, parse_slo_flag
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """How the server listens and admits."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000  # 0 = any free port (the printed URL says which)
+    api_key: str | None = None  # require `Authorization: Bearer KEY` on every route (guard.OPEN_PATHS lists openers)
+    metrics_public: bool = False  # with api_key: leave /metrics and /health open
+    docs_public: bool = False  # with api_key: leave /docs, /redoc and /openapi.json open
+    served_model_name: str | None = None  # the model id clients send; default: "demo" or the folder given
+    max_waiting: int = 256  # sequences admitted but not yet scheduled; beyond it new requests get 429
+    shutdown_grace: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
+    slo: list[str] = field(default_factory=list)  # LANE:METRIC=DURATION[,...] specs
+    slo_file: str | None = None  # YAML: {lanes: {LANE: {METRIC: DURATION}}}
+    max_body_bytes: int = 16 << 20  # bytes a request body may have; larger ones get 413
+    # A max_tokens the client set beyond the room its prompt leaves: "error" = 400 naming both numbers (OpenAI, vLLM),
+    # "clamp" = cut to the room. One it did not set (completions' default 16) is cut to the room either way.
+    max_tokens_policy: Literal["error", "clamp"] = "error"
+    prep_threads: int = 2  # worker threads that parse, tokenize, render and compile requests off the event loop
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if self.max_body_bytes < 1 or self.prep_threads < 1:
+            raise ValueError("max_body_bytes and prep_threads must be >= 1")
+        if self.max_tokens_policy not in ("error", "clamp"):
+            raise ValueError(f"max_tokens_policy must be 'error' or 'clamp', got {self.max_tokens_policy!r}")
+
+    def lanes(self) -> list[LaneSLO]:
+        lanes = [parse_slo_flag(s) for s in self.slo]
+        if self.slo_file:
+            lanes += load_slo_file(self.slo_file)
+        return lanes
