@@ -53,7 +53,7 @@ def test_results_follow_the_schema(runs):
     assert len(rows) == 10 and set(results.CSV_FIELDS) == set(rows[0])
     for name in ("report.html", "ttft_vs_prompt.png", "itl_vs_position.png", "cdf_ttft.png", "cdf_itl.png"):
         assert (runs / "a" / name).stat().st_size > 0
-    assert doc["server"]["metrics_delta"]["twospeed:generation_tokens_total"] == doc["total"]["bill"]["output_tokens"]
+    assert doc["server"]["metrics_delta"]["twospeed_generation_tokens_total"] == doc["total"]["bill"]["output_tokens"]
 
 
 def test_client_and_server_ttft_agree(runs):

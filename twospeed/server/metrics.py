@@ -40,34 +40,34 @@ class ServerMetrics:
         def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS, labels=lm) -> Histogram:
             return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
-        self.ttft = hist("twospeed:time_to_first_token_seconds", "first_token - arrival, per sequence")
-        self.itl = hist("twospeed:inter_token_latency_seconds", "gap between consecutive output tokens",
+        self.ttft = hist("twospeed_time_to_first_token_seconds", "first_token - arrival, per sequence")
+        self.itl = hist("twospeed_inter_token_latency_seconds", "gap between consecutive output tokens",
                         _ITL_BUCKETS)
-        self.queue = hist("twospeed:request_queue_time_seconds", "first_scheduled - arrival, per sequence")
-        self.prefill = hist("twospeed:request_prefill_time_seconds",
+        self.queue = hist("twospeed_request_queue_time_seconds", "first_scheduled - arrival, per sequence")
+        self.prefill = hist("twospeed_request_prefill_time_seconds",
                             "prefill_done - first_scheduled (includes waits between chunks), per sequence")
-        self.decode = hist("twospeed:request_decode_time_seconds", "finished - first_token, per sequence")
-        self.e2e = hist("twospeed:e2e_request_latency_seconds", "finished - arrival (ttlt), per sequence")
-        self.step_tokens = hist("twospeed:step_tokens", "tokens computed in one engine step, by kind",
+        self.decode = hist("twospeed_request_decode_time_seconds", "finished - first_token, per sequence")
+        self.e2e = hist("twospeed_e2e_request_latency_seconds", "finished - arrival (ttlt), per sequence")
+        self.step_tokens = hist("twospeed_step_tokens", "tokens computed in one engine step, by kind",
                                 _STEP_TOKEN_BUCKETS, ("kind", "model"))
-        self.prompt_tokens = Counter("twospeed:prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
+        self.prompt_tokens = Counter("twospeed_prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
                                      ("lane", "model", "kind"), registry=r)
-        self.generation_tokens = Counter("twospeed:generation_tokens", "output tokens emitted", lm, registry=r)
-        self.prefix_queries = Counter("twospeed:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+        self.generation_tokens = Counter("twospeed_generation_tokens", "output tokens emitted", lm, registry=r)
+        self.prefix_queries = Counter("twospeed_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                       lm, registry=r)
-        self.prefix_hits = Counter("twospeed:prefix_cache_hits", "prompt tokens found in the prefix cache", lm,
+        self.prefix_hits = Counter("twospeed_prefix_cache_hits", "prompt tokens found in the prefix cache", lm,
                                    registry=r)
-        self.preemptions = Counter("twospeed:num_preemptions", "preemptions of finished sequences", lm, registry=r)
-        self.slo = Counter("twospeed:slo_requests", "finished sequences judged against their lane's SLO",
+        self.preemptions = Counter("twospeed_num_preemptions", "preemptions of finished sequences", lm, registry=r)
+        self.slo = Counter("twospeed_slo_requests", "finished sequences judged against their lane's SLO",
                            ("lane", "model", "result", "cause"), registry=r)
-        self.running = Gauge("twospeed:num_requests_running", "sequences in the running batch", lm, registry=r)
-        self.waiting = Gauge("twospeed:num_requests_waiting", "sequences waiting (new or preempted)", lm, registry=r)
-        self.kv_usage = Gauge("twospeed:kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool",
+        self.running = Gauge("twospeed_num_requests_running", "sequences in the running batch", lm, registry=r)
+        self.waiting = Gauge("twospeed_num_requests_waiting", "sequences waiting (new or preempted)", lm, registry=r)
+        self.kv_usage = Gauge("twospeed_kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool",
                               ("model",), registry=r)
-        self.kv_cached = Gauge("twospeed:kv_cache_cached_blocks",
+        self.kv_cached = Gauge("twospeed_kv_cache_cached_blocks",
                                "KV blocks holding a cached prefix (in use or free and reusable)", ("model",),
                                registry=r)
-        self.step_failures = Counter("twospeed:engine_step_failures",
+        self.step_failures = Counter("twospeed_engine_step_failures",
                                      "engine steps that raised, by scope: request (only the requests that caused it "
                                      "failed) or step (every sequence in flight failed)", ("model", "scope"),
                                      registry=r)
