@@ -17,9 +17,10 @@ from fastapi import Depends, Request
 from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, ShutdownError, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import APIError
+from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
 from twospeed.server.prepare import Preparer
-from twospeed.server.slo import SLOTable
+from twospeed.server.slo import DEFAULT_LANE, SLOTable, Verdict
 from twospeed.server.workers import WorkerPool
 
 LANE_HEADER = "x-twospeed-lane"
@@ -35,9 +36,10 @@ class ServerState:
         self.config = server_config
         self.model_name = model_name
         self.slos = SLOTable(server_config.lanes())
-        self.metrics = ServerMetrics(model_name)
-        self.async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self._on_finish,
-                                        on_load=self.metrics.set_load, on_fault=self.metrics.on_fault)
+        self.metrics = ServerMetrics(model_name, lanes=(DEFAULT_LANE, *self.slos.lanes))
+        self.history = History(server_config.history())
+        self.async_engine = AsyncEngine(engine, judge=self._judge, listeners=[self.metrics.on_event,
+                                                                              self.history.on_event])
         self.to_unix = monotonic_to_unix()
         self.draining = False
         self.created = int(time.time())
@@ -88,10 +90,8 @@ class ServerState:
         self.open_groups.discard(group)
         self.async_engine.abort(group)
 
-    def _on_finish(self, lane, request, aborted):
-        verdict = None if aborted else self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
-        self.metrics.on_finished(lane, request.clock, request.bill, request.num_preemptions, aborted, verdict)
-        return verdict
+    def _judge(self, lane: str, request) -> Verdict:
+        return self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
 
     def _decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -110,6 +110,7 @@ class ServerState:
             lane = self.slos.admit(lane_name)
         except ValueError as e:
             raise APIError(400, str(e), param="lane") from None
+        self.metrics.add_lane(lane.lane)
         engine = self.async_engine
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
