@@ -90,6 +90,11 @@ class ServerMetrics:
         self.kv_cached = Gauge("twospeed_kv_cache_cached_blocks",
                                "KV blocks holding a cached prefix (in use or free and reusable)", ("model",),
                                registry=r)
+        self.kv_blocks = Gauge("twospeed_kv_cache_num_blocks", "KV blocks in the pool", ("model",), registry=r)
+        self.kv_block_bytes = Gauge("twospeed_kv_cache_block_bytes", "bytes of K and V one KV block holds (all layers)",
+                                    ("model",), registry=r)
+        self.price = Gauge("twospeed_price_per_million_tokens", "the --price table: dollars per 1M tokens, by kind "
+                           "(input: prefilled, cached_input, output)", ("kind",), registry=r)
         self.step_failures = Counter("twospeed_engine_step_failures",
                                      "engine steps that raised, by scope: request (only the requests that caused it "
                                      "failed) or step (every sequence in flight failed)", ("model", "scope"),
@@ -102,6 +107,13 @@ class ServerMetrics:
         for lane in lanes:
             self.add_lane(lane)
         self.set_load({}, {}, 0.0, 0)
+
+    def set_pool(self, num_blocks: int, block_bytes: int, price_per_m: dict[str, float]) -> None:
+        """Facts fixed at start: the KV pool's size and block bytes, the price table."""
+        self.kv_blocks.labels(self.model).set(num_blocks)
+        self.kv_block_bytes.labels(self.model).set(block_bytes)
+        for kind, dollars in price_per_m.items():
+            self.price.labels(kind).set(dollars)
 
     def add_lane(self, lane: str) -> None:
         """Every series of a lane at 0, so that rate() over it is 0 rather than nothing before its first request."""

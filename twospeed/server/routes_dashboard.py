@@ -72,17 +72,11 @@ def _json(doc: dict) -> Response:
 
 def page_config(state: ServerState) -> dict:
     """What the page needs beside the history: the pool (to turn blocks into MiB), prices, lanes, the target."""
-    from twospeed.engine.runner import kv_bytes_per_block
-
     engine = state.engine
-    block_size = engine.config.cache.block_size
-    price = state.config.price_table()
     target = getattr(engine.scheduler_config, "target_step_time", None)
-    return {"model": state.model_name, "num_blocks": engine.num_blocks, "block_size": block_size,
-            "kv_bytes_per_block": kv_bytes_per_block(engine.model_config, block_size, engine.dtype),
-            "step_target_s": target,
-            "price_per_m": {"input": price.input_per_m, "cached_input": price.cached_input_per_m,
-                            "output": price.output_per_m},
+    return {"model": state.model_name, "num_blocks": engine.num_blocks, "block_size": engine.config.cache.block_size,
+            "kv_bytes_per_block": state.kv_bytes_per_block, "step_target_s": target,
+            "price_per_m": state.price_per_m(),
             "lanes": {name: {"priority": slo.priority,
                              "objectives": [{"name": o.name, "metric": o.metric, "threshold_s": o.threshold,
                                              "percentile": o.percentile} for o in slo.objectives]}

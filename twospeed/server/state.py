@@ -46,6 +46,7 @@ class ServerState:
         self.workers: WorkerPool | None = None
         self.prepare = Preparer(self)
         self.open_groups: set[RequestGroup] = set()  # admitted, their response not yet finished
+        self.kv_bytes_per_block = 0  # bytes of K and V one block holds, once the engine is built
         self._decode_one = lru_cache(maxsize=65536)(self._decode_token)
 
     async def start(self) -> None:
@@ -53,11 +54,21 @@ class ServerState:
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
+        from twospeed.engine.runner import kv_bytes_per_block
+
+        engine = self.engine
+        self.kv_bytes_per_block = kv_bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.dtype)
+        self.metrics.set_pool(engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
         # The model, torch and the libraries are loaded for good: take them out of the cyclic GC's reach. Without
         # this a full collection walks them all, holding the GIL for 0.25-0.4 s on the demo model when a big
         # request allocates enough to trigger one (the event loop and the engine thread both stall); vLLM does
         # the same after its startup.
         gc.freeze()
+
+    def price_per_m(self) -> dict[str, float]:
+        """The --price table: dollars per 1M tokens by kind (input = prefilled, cached_input, output)."""
+        price = self.config.price_table()
+        return {"input": price.input_per_m, "cached_input": price.cached_input_per_m, "output": price.output_per_m}
 
     async def stop(self) -> None:
         self.draining = True
