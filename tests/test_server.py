@@ -423,7 +423,7 @@ def test_lanes_and_slo_verdicts(server):
 
 
 # -- metrics ---------------------------------------------------------------------------------------
-METRIC_NAMES = {  # the names the issue lists, and nothing else
+METRIC_NAMES = {  # the names README lists, and nothing else
     "twospeed_time_to_first_token_seconds": "histogram", "twospeed_inter_token_latency_seconds": "histogram",
     "twospeed_request_queue_time_seconds": "histogram", "twospeed_request_prefill_time_seconds": "histogram",
     "twospeed_request_decode_time_seconds": "histogram", "twospeed_e2e_request_latency_seconds": "histogram",
@@ -432,7 +432,10 @@ METRIC_NAMES = {  # the names the issue lists, and nothing else
     "twospeed_prefix_cache_hits_total": "counter", "twospeed_num_preemptions_total": "counter",
     "twospeed_slo_requests_total": "counter", "twospeed_num_requests_running": "gauge",
     "twospeed_num_requests_waiting": "gauge", "twospeed_kv_cache_usage_ratio": "gauge",
-    "twospeed_kv_cache_cached_blocks": "gauge", "twospeed_engine_step_failures_total": "counter"}
+    "twospeed_kv_cache_cached_blocks": "gauge", "twospeed_engine_step_failures_total": "counter",
+    "twospeed_forced_tokens_total": "counter", "twospeed_recomputed_tokens_total": "counter",
+    "twospeed_goodput_tokens_total": "counter", "twospeed_kv_cache_num_blocks": "gauge",
+    "twospeed_kv_cache_block_bytes": "gauge", "twospeed_price_per_million_tokens": "gauge"}
 
 
 def test_metric_names_types_and_labels(server):
@@ -477,6 +480,10 @@ def test_metrics_match_the_responses(server):
     assert delta("twospeed_generation_tokens_total") == sum(b["output_tokens"] for b in bills)
     assert delta("twospeed_slo_requests_total", lane="strict", result="missed") == 4
     assert delta("twospeed_slo_requests_total", lane="default", result="met") == 4
+    # goodput: the output of sequences that met their SLO (bills alternate default, strict)
+    assert delta("twospeed_goodput_tokens_total", lane="default") == sum(b["output_tokens"] for b in bills[0::2])
+    assert delta("twospeed_goodput_tokens_total", lane="strict") == 0
+    assert delta("twospeed_forced_tokens_total") == delta("twospeed_recomputed_tokens_total") == 0
     assert delta("twospeed_step_tokens_count", kind="decode") > 0
     assert delta("twospeed_step_tokens_count", kind="prefill") > 0
     assert metric_sum(after, "twospeed_kv_cache_cached_blocks") > 0

@@ -94,7 +94,7 @@ class ServerMetrics:
         self.kv_block_bytes = Gauge("twospeed_kv_cache_block_bytes", "bytes of K and V one KV block holds (all layers)",
                                     ("model",), registry=r)
         self.price = Gauge("twospeed_price_per_million_tokens", "the --price table: dollars per 1M tokens, by kind "
-                           "(input: prefilled, cached_input, output)", ("kind",), registry=r)
+                           "(input: prefilled, cached_input, output)", ("kind", "model"), registry=r)
         self.step_failures = Counter("twospeed_engine_step_failures",
                                      "engine steps that raised, by scope: request (only the requests that caused it "
                                      "failed) or step (every sequence in flight failed)", ("model", "scope"),
@@ -113,7 +113,7 @@ class ServerMetrics:
         self.kv_blocks.labels(self.model).set(num_blocks)
         self.kv_block_bytes.labels(self.model).set(block_bytes)
         for kind, dollars in price_per_m.items():
-            self.price.labels(kind).set(dollars)
+            self.price.labels(kind, self.model).set(dollars)
 
     def add_lane(self, lane: str) -> None:
         """Every series of a lane at 0, so that rate() over it is 0 rather than nothing before its first request."""
