@@ -9,6 +9,7 @@
   const S = {now: 0, lanes: [], config: {}, totals: {}, slo: {}, load: {}, requests: [], gaps: {t: [], lane: [], gap: []},
              steps: {t: []}, updates: 0};
   const charts = {};
+  window.TWOSPEED_STATE = S;  // for a console (and the browser test)
   const $ = (id) => document.getElementById(id);
 
   // -- data -------------------------------------------------------------------------------------------------
