@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from test_dashboard import histogram_quantile
+from test_dashboard import histogram_quantile, hq_tolerance
 from test_server import ServerProcess, metric_sum, parse_metrics
 
 from twospeed.engine.request import percentile
@@ -138,14 +138,6 @@ def cell(page, table: str, lane: str, col: str) -> float:
     value = page.get_attribute(f"#{table} tr[data-lane='{lane}'] td[data-col='{col}']", "data-value")
     assert value is not None, (table, lane, col)
     return float(value)
-
-
-def hq_tolerance(ttfts: list[float]) -> float:
-    """How far histogram_quantile's p99 may be from the exact one here: a bucket's width (10%) of the value,
-    plus the gap between the two largest values, which the two definitions interpolate differently when a lane
-    has eight samples (the exact p99 sits at rank 6.93 of 0..7, Prometheus's at 7.92 of 8)."""
-    top = sorted(ttfts)
-    return 0.10 * top[-1] + (top[-1] - top[-2])
 
 
 def test_the_dashboard_shows_what_metrics_says(server, traffic, browser, tmp_path):
