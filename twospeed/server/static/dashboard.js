@@ -102,6 +102,8 @@
     const x = col("t");
     chart("tokens", "tokens per step by kind", {group: "steps", points: x.length < 200}).update(x, [
       {label: "prefill", values: col("num_prefill_tokens")}, {label: "decode", values: col("num_decode_tokens")}], true);
+    const has = (k) => !!st[k];  // the lab's static report has tokens per step only
+    if (!has("step_time")) return {prefill_tps: null, decode_tps: null, steps: idx.length, errors: null};
     const series = [{label: "step ms", values: col("step_time").map((v) => v * 1e3)}];
     if (st.predicted_time && col("predicted_time").some((v) => v !== null))
       series.push({label: "predicted ms", values: col("predicted_time").map((v) => (v === null ? null : v * 1e3)), dash: [4, 3]});
