@@ -216,3 +216,26 @@ def test_the_clock_page_computes_what_twospeed_clock_computes(server, browser, t
         assert not page.is_checked("#live")
     assert non_loopback(browser.requested) == []
     page.close()
+
+
+def test_panels_for_speculation_and_the_step_cost_model_slot_in(server, traffic, browser):
+    """Fields other engines' features add (the cost model's predicted step time, target and prompt budget per
+    step; speculation's proposed/accepted tokens per request) get their panels when the data has them."""
+    data = httpx.get(f"{server.base}/dashboard/data", headers=AUTH, timeout=10).json()
+    n = len(data["steps"]["t"])
+    data["steps"].update(predicted_time=[0.02] * n, target_time=[0.05] * n, prefill_budget=[32] * n)
+    for r in data["requests"]:
+        r["bill"].update(spec_proposed=8, spec_accepted=6)
+    for t in data["totals"].values():
+        t.update(spec_proposed=80, spec_accepted=60)
+    page = browser.new_page()
+    page.add_init_script(f"window.TWOSPEED_STATIC = {json.dumps(data)};")
+    page.goto(f"{server.base}/dashboard")
+    page.wait_for_function("Number(document.body.dataset.updates || 0) >= 1", timeout=30_000)
+    legends = page.locator(".u-legend .u-label").all_inner_texts()
+    assert {"predicted ms", "target ms", "prefill budget"} <= set(legends)
+    assert cell(page, "bill", "all", "spec_accepted") == 60 * len(data["totals"])
+    assert cell(page, "bill", "chat", "spec_acceptance") == 0.75
+    assert "spec accepted/proposed" in page.locator("#requests thead").inner_text()
+    assert page.locator("#tile-cost_error").count() == 1
+    page.close()

@@ -100,8 +100,10 @@
     for (let i = 0; i < st.t.length; i++) if (st.t[i] >= cutoff) idx.push(i);
     const col = (k) => idx.map((i) => (st[k] ? st[k][i] : null));
     const x = col("t");
-    chart("tokens", "tokens per step by kind", {group: "steps", points: x.length < 200}).update(x, [
-      {label: "prefill", values: col("num_prefill_tokens")}, {label: "decode", values: col("num_decode_tokens")}], true);
+    const kinds = [{label: "prefill", values: col("num_prefill_tokens")}, {label: "decode", values: col("num_decode_tokens")}];
+    if (st.prefill_budget && col("prefill_budget").some((v) => v))  // the scheduler's prompt share beside decodes
+      kinds.push({label: "prefill budget", values: col("prefill_budget"), dash: [4, 3]});
+    chart("tokens", "tokens per step by kind", {group: "steps", points: x.length < 200}).update(x, kinds, true);
     const has = (k) => !!st[k];  // the lab's static report has tokens per step only
     if (!has("step_time")) return {prefill_tps: null, decode_tps: null, steps: idx.length, errors: null};
     const series = [{label: "step ms", values: col("step_time").map((v) => v * 1e3)}];
@@ -175,6 +177,9 @@
     const cols = [{id: "lane", title: "lane", key: (r) => r.lane}];
     for (const [k, title] of BILL) if (rows.some((r) => k in r) && (!k.startsWith("spec_") || rows.some((r) => r[k])))
       cols.push({id: k, title, key: (r) => int(r[k] || 0), value: (r) => r[k] || 0});
+    if (rows.some((r) => r.spec_proposed))
+      cols.push({id: "spec_acceptance", title: "spec acceptance", key: (r) => pct(r.spec_proposed ? r.spec_accepted / r.spec_proposed : null),
+                 value: (r) => (r.spec_proposed ? r.spec_accepted / r.spec_proposed : null)});
     cols.push({id: "usd", title: "cost", key: (r) => usd(money(r, price)), value: (r) => money(r, price)});
     cols.push({id: "good_usd", title: "cost per 1k goodput tokens",
                key: (r) => (r.goodput_tokens ? usd(1000 * money(r, price) / r.goodput_tokens) : "-")});
