@@ -96,8 +96,8 @@ def phase(base: str, seconds: float, ctx) -> dict:
     steps = step_times(base, t0)
     if page is not None:
         page.close()
-    return {"open": ctx is not None, "steps": len(steps), "mean_step_ms": 1e3 * statistics.fmean(steps) if steps else None,
-            "p50_step_ms": 1e3 * statistics.median(steps) if steps else None, "steps_per_s": len(steps) / seconds}
+    return {"open": ctx is not None, "steps": len(steps),
+            "mean_step_ms": 1e3 * statistics.fmean(steps) if steps else None, "p50_step_ms": 1e3 * statistics.median(steps) if steps else None, "steps_per_s": len(steps) / seconds}
 
 
 def listener_cost() -> dict:

@@ -84,7 +84,8 @@ def panel(pid: int, title: str, unit: str, targets: list, kind: str, x: int, y: 
     p = {"id": pid, "type": kind, "title": title, "datasource": ds, "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
          "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
          "targets": [{"refId": chr(65 + i), "datasource": ds, "expr": expr, "legendFormat": legend,
-                      **({"format": "heatmap"} if kind == "heatmap" else {})} for i, (legend, expr) in enumerate(targets)]}
+                      **({"format": "heatmap"} if kind == "heatmap" else {})}
+                     for i, (legend, expr) in enumerate(targets)]}
     if kind == "heatmap":
         p["options"] = {"calculate": False, "yAxis": {"unit": unit}, "cellGap": 1}
     return p

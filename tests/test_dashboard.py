@@ -70,7 +70,8 @@ def events(n: int):
     for i in range(n):
         yield StepEvent(step(i))
         aborted = i % 11 == 0
-        yield FinishEvent(("a", "b")[i % 2], finished(i, scheduled=i % 13 != 0), aborted, None if aborted else verdict(i))
+        request = finished(i, scheduled=i % 13 != 0)
+        yield FinishEvent(("a", "b")[i % 2], request, aborted, None if aborted else verdict(i))
     yield LoadEvent({"a": 2}, {"b": 1}, 0.25, 7)
 
 

@@ -173,7 +173,8 @@ def test_every_recording_rule_and_grafana_query_returns_data(prometheus, traffic
     except AssertionError:
         pytest.fail(f"no data after traffic for: {missing}")
     # per lane where the rule is per lane: both lanes answer
-    for rule in ("lane:twospeed_time_to_first_token_seconds:p99_1m", "lane:twospeed_inter_token_latency_seconds:p99_1m"):
+    for rule in ("lane:twospeed_time_to_first_token_seconds:p99_1m",
+                 "lane:twospeed_inter_token_latency_seconds:p99_1m"):
         for lane in LANES:
             assert query(prometheus, f'{rule}{{lane="{lane}"}}'), (rule, lane)
     assert query(prometheus, 'lane:twospeed_slo_attainment:ratio_rate5m{lane="batch"}') == [0.0]

@@ -143,7 +143,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="minutes of steps and requests /dashboard keeps in memory (default 15)")
     parser.add_argument("--history-requests", type=int, help="ended sequences /dashboard keeps (default 4096)")
     parser.add_argument("--price", metavar="INPUT,CACHED,OUTPUT",
-                        help="the dashboard's price table: dollars per 1M prefilled input, cached input and output tokens")
+                        help="the dashboard's price table: dollars per 1M prefilled input, cached input, output tokens")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 

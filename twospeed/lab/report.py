@@ -3,8 +3,8 @@
 Plots: TTFT vs prompt tokens (prefill's cost), ITL vs token position (decode's), CDFs of TTFT and ITL per
 lane, tokens per engine step over time when the server exposes them, and for job lanes a stacked bar of a
 job's time (queue / prefill / decode / tool / gate) and the prompt's growth and cache hit turn by turn. The
-page ends with the diagnosis and the server dashboard's views of the run (dashboard.html, report_dashboard.py). Everything is read from the results.json document, so a report can be rebuilt
-from a saved run.
+page ends with the diagnosis and the server dashboard's views of the run (dashboard.html, report_dashboard.py).
+Everything is read from the results.json document, so a report can be rebuilt from a saved run.
 """
 
 from __future__ import annotations

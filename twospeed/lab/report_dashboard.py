@@ -63,8 +63,9 @@ def dashboard_data(doc: dict) -> dict:
         requests.append({"id": f"{r['lane']}-{r['index']}" + (f".{r['turn']}" if r["turn"] is not None else ""),
                          "lane": r["lane"], "t": end, "arrival": start + r["sent_s"],
                          "finish_reason": r["finish_reason"] or ("error" if r["error"] else None),
-                         "aborted": r["error"] is not None, "queue": r["server_queue_s"], "prefill": r["server_prefill_s"],
-                         "ttft": r["ttft_s"], "itl_p50": r["itl_p50_s"], "itl_p99": r["itl_p99_s"], "itl_max": r["itl_max_s"],
+                         "aborted": r["error"] is not None, "queue": r["server_queue_s"],
+                         "prefill": r["server_prefill_s"], "ttft": r["ttft_s"], "itl_p50": r["itl_p50_s"],
+                         "itl_p99": r["itl_p99_s"], "itl_max": r["itl_max_s"],
                          "tpot": r["tpot_s"], "ttlt": r["ttlt_s"], "decode_steps": r["server_decode_steps"],
                          "interfered_steps": r["server_interfered_steps"], "preemptions": None, "bill": bill,
                          "met": met, "cause": cause, "missed": [m for m in r["slo_missed"].split(",") if m]})

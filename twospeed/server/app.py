@@ -2,9 +2,9 @@
 
 Inputs: an EngineConfig (the model and engine options) and a ServerConfig (where to listen, the API key,
 the lanes' SLOs, the waiting-queue bound). The routes live in one router per concern (routes_openai.py,
-routes_ops.py, routes_dashboard.py) and share a ServerState through one FastAPI dependency; adding a page is
-a new router module (with a `router`) and one line in ROUTERS. Every route needs the API key, when one is set, unless
-guard.OPEN_PATHS opens its prefix with a flag.
+routes_ops.py, routes_dashboard.py) and share a ServerState through one FastAPI dependency; adding a page
+is a new router module (with a `router`) and one line in ROUTERS. Every route needs the API key, when one
+is set, unless guard.OPEN_PATHS opens its prefix with a flag.
 
 Every response carries the split clock and bill: a `twospeed` object in the body (and in the final
 streamed chunk of each choice), a Server-Timing header on non-streaming responses, and in every streamed

@@ -11,6 +11,7 @@ license): they work offline and ask nothing of any host but this server. /dashbo
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from importlib import resources
 
@@ -52,7 +53,7 @@ async def static(name: str):
 
 
 @router.get("/dashboard/data", responses=ERROR_RESPONSES)
-async def data(state: State, since: float | None = Query(None, description="Unix seconds; negative: the last -since s")):
+async def data(state: State, since: float | None = Query(None, description="Unix s; negative: the last -since s")):
     """The history appended after `since` (all it keeps when absent) and the page's facts."""
     return _json({**state.history.since(since), "config": page_config(state)})
 
@@ -64,8 +65,6 @@ async def costs(state: State):
 
 
 def _json(doc: dict) -> Response:
-    import json
-
     return Response(json.dumps(doc, allow_nan=False, separators=(",", ":")), media_type="application/json",
                     headers=_NO_STORE)
 
