@@ -53,7 +53,28 @@ def test_results_follow_the_schema(runs):
     assert len(rows) == 10 and set(results.CSV_FIELDS) == set(rows[0])
     for name in ("report.html", "ttft_vs_prompt.png", "itl_vs_position.png", "cdf_ttft.png", "cdf_itl.png"):
         assert (runs / "a" / name).stat().st_size > 0
-    assert doc["server"]["metrics_delta"]["twospeed:generation_tokens_total"] == doc["total"]["bill"]["output_tokens"]
+    assert doc["server"]["metrics_delta"]["twospeed_generation_tokens_total"] == doc["total"]["bill"]["output_tokens"]
+
+
+def test_the_report_embeds_the_dashboards_views_offline(runs):
+    import re
+
+    from twospeed.lab.report_dashboard import dashboard_data
+
+    doc = json.loads((runs / "a" / "results.json").read_text())
+    page = (runs / "a" / "dashboard.html").read_text()
+    assert 'src="dashboard.html"' in (runs / "a" / "report.html").read_text()
+    assert not re.search(r'(src|href)="(?!data:)', page)  # everything inline: nothing to fetch, from anywhere
+    assert "window.TWOSPEED_STATIC" in page and "uPlot" in page
+    data = dashboard_data(doc)
+    assert len(data["requests"]) == 10 and len(data["gaps"]["gap"]) == sum(len(r["itl_s"]) for r in doc["requests"])
+    for lane, summary in doc["lanes"].items():
+        for key in ("cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens"):
+            assert data["totals"][lane][key] == summary["bill"][key], (lane, key)
+        judged = data["slo"].get(lane, {})
+        if judged:  # lanes with objectives: met count as the lab judged it, every miss with the server's cause
+            assert judged.get("met", 0) == summary["slo"]["met_requests"]
+            assert set(judged) <= {"met", "queue", "prefill", "decode_interference", "decode", "preemption"}
 
 
 def test_client_and_server_ttft_agree(runs):

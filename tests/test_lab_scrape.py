@@ -6,17 +6,17 @@ import pytest
 from twospeed.lab import scrape
 from twospeed.lab.bench import client_lag
 
-BEFORE = """# TYPE twospeed:generation_tokens counter
-twospeed:generation_tokens_total{lane="a",model="demo"} 10.0
-twospeed:generation_tokens_total{lane="b",model="demo"} 5.0
-# TYPE twospeed:step_tokens histogram
-twospeed:step_tokens_bucket{kind="prefill",model="demo",le="+Inf"} 2.0
-twospeed:step_tokens_sum{kind="prefill",model="demo"} 512.0
-twospeed:step_tokens_count{kind="prefill",model="demo"} 2.0
-twospeed:step_tokens_sum{kind="decode",model="demo"} 40.0
-twospeed:step_tokens_count{kind="decode",model="demo"} 20.0
-# TYPE twospeed:kv_cache_cached_blocks gauge
-twospeed:kv_cache_cached_blocks{model="demo"} 3.0
+BEFORE = """# TYPE twospeed_generation_tokens counter
+twospeed_generation_tokens_total{lane="a",model="demo"} 10.0
+twospeed_generation_tokens_total{lane="b",model="demo"} 5.0
+# TYPE twospeed_step_tokens histogram
+twospeed_step_tokens_bucket{kind="prefill",model="demo",le="+Inf"} 2.0
+twospeed_step_tokens_sum{kind="prefill",model="demo"} 512.0
+twospeed_step_tokens_count{kind="prefill",model="demo"} 2.0
+twospeed_step_tokens_sum{kind="decode",model="demo"} 40.0
+twospeed_step_tokens_count{kind="decode",model="demo"} 20.0
+# TYPE twospeed_kv_cache_cached_blocks gauge
+twospeed_kv_cache_cached_blocks{model="demo"} 3.0
 """
 AFTER = (BEFORE.replace("} 10.0", "} 30.0").replace("512.0", "1024.0").replace('"prefill",model="demo"} 2.0',
                                                                                '"prefill",model="demo"} 4.0')
@@ -25,11 +25,11 @@ AFTER = (BEFORE.replace("} 10.0", "} 30.0").replace("512.0", "1024.0").replace('
 
 def test_parse_and_delta():
     before, after = scrape.parse(BEFORE), scrape.parse(AFTER)
-    assert before["twospeed:generation_tokens_total"] == 15.0  # labels summed
-    assert "twospeed:step_tokens_bucket" not in before
+    assert before["twospeed_generation_tokens_total"] == 15.0  # labels summed
+    assert "twospeed_step_tokens_bucket" not in before
     d = scrape.delta(before, after)
-    assert d["twospeed:generation_tokens_total"] == 20.0
-    assert d["twospeed:kv_cache_cached_blocks"] == 7.0  # a gauge: its value after, not a difference
+    assert d["twospeed_generation_tokens_total"] == 20.0
+    assert d["twospeed_kv_cache_cached_blocks"] == 7.0  # a gauge: its value after, not a difference
     assert scrape.delta(None, after) is None and scrape.is_twospeed(after) and not scrape.is_twospeed({"x": 1})
 
 

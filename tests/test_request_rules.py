@@ -3,6 +3,7 @@ field paths, OpenAI's conversation rules for tool messages, cut-off tool calls r
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from twospeed.server.body import find_invalid_unicode, load_body, loads_sliced, parse_request
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import APIError
-from twospeed.server.guard import needs_key
+from twospeed.server.guard import key_given, needs_key
 from twospeed.server.messages import ChatMessage, check_conversation
 from twospeed.server.protocol import ChatCompletionRequest
 from twospeed.server.tool_calls import partial_call
@@ -153,11 +154,22 @@ def test_a_forced_function_is_named_however_early_the_cut():
 # -- the auth table ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, default, opened", [
     ("/v1/completions", True, True), ("/v1/models", True, True), ("/tokenize", True, True),
-    ("/detokenize", True, True), ("/no/such/route", True, True), ("/dashboard", True, True),
-    ("/health", True, False), ("/metrics", True, False),
+    ("/detokenize", True, True), ("/no/such/route", True, True), ("/dashboardx", True, True),
+    ("/health", True, False), ("/metrics", True, False), ("/dashboard", True, False), ("/dashboard/data", True, False),
+    ("/dashboard/clock", True, False),
     ("/openapi.json", True, False), ("/docs", True, False), ("/docs/oauth2-redirect", True, False),
     ("/redoc", True, False), ("/healthz", True, True), ("/docsx", True, True),
 ])
 def test_every_route_needs_the_key_unless_a_flag_opens_it(path, default, opened):
     assert needs_key(path, ServerConfig(api_key="k")) is default
     assert needs_key(path, ServerConfig(api_key="k", metrics_public=True, docs_public=True)) is opened
+
+
+@pytest.mark.parametrize("header, ok", [
+    (b"Bearer k3y", True), (b"bearer  k3y ", True), (b"Bearer k3", False), (b"Bearer", False), (b"", False),
+    (b"Basic " + base64.b64encode(b"anyone:k3y"), True), (b"Basic " + base64.b64encode(b":k3y"), True),
+    (b"Basic " + base64.b64encode(b"k3y:"), False), (b"Basic " + base64.b64encode(b"u:k3y2"), False),
+    (b"Basic not*base64", False), (b"Token k3y", False),
+])
+def test_the_key_as_bearer_token_or_basic_password(header, ok):
+    assert key_given(header, b"k3y") is ok

@@ -105,8 +105,8 @@ def wait_idle(base: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(base)
-        busy = (metric_sum(m, "twospeed:num_requests_running") + metric_sum(m, "twospeed:num_requests_waiting"),
-                metric_sum(m, "twospeed:kv_cache_usage_ratio"))
+        busy = (metric_sum(m, "twospeed_num_requests_running") + metric_sum(m, "twospeed_num_requests_waiting"),
+                metric_sum(m, "twospeed_kv_cache_usage_ratio"))
         if busy == (0, 0):
             return m
         assert time.monotonic() < deadline, f"server not idle after {timeout}s: running+waiting, kv usage = {busy}"
@@ -423,16 +423,19 @@ def test_lanes_and_slo_verdicts(server):
 
 
 # -- metrics ---------------------------------------------------------------------------------------
-METRIC_NAMES = {  # the names the issue lists, and nothing else
-    "twospeed:time_to_first_token_seconds": "histogram", "twospeed:inter_token_latency_seconds": "histogram",
-    "twospeed:request_queue_time_seconds": "histogram", "twospeed:request_prefill_time_seconds": "histogram",
-    "twospeed:request_decode_time_seconds": "histogram", "twospeed:e2e_request_latency_seconds": "histogram",
-    "twospeed:step_tokens": "histogram", "twospeed:prompt_tokens_total": "counter",
-    "twospeed:generation_tokens_total": "counter", "twospeed:prefix_cache_queries_total": "counter",
-    "twospeed:prefix_cache_hits_total": "counter", "twospeed:num_preemptions_total": "counter",
-    "twospeed:slo_requests_total": "counter", "twospeed:num_requests_running": "gauge",
-    "twospeed:num_requests_waiting": "gauge", "twospeed:kv_cache_usage_ratio": "gauge",
-    "twospeed:kv_cache_cached_blocks": "gauge", "twospeed:engine_step_failures_total": "counter"}
+METRIC_NAMES = {  # the names README lists, and nothing else
+    "twospeed_time_to_first_token_seconds": "histogram", "twospeed_inter_token_latency_seconds": "histogram",
+    "twospeed_request_queue_time_seconds": "histogram", "twospeed_request_prefill_time_seconds": "histogram",
+    "twospeed_request_decode_time_seconds": "histogram", "twospeed_e2e_request_latency_seconds": "histogram",
+    "twospeed_step_tokens": "histogram", "twospeed_prompt_tokens_total": "counter",
+    "twospeed_generation_tokens_total": "counter", "twospeed_prefix_cache_queries_total": "counter",
+    "twospeed_prefix_cache_hits_total": "counter", "twospeed_num_preemptions_total": "counter",
+    "twospeed_slo_requests_total": "counter", "twospeed_num_requests_running": "gauge",
+    "twospeed_num_requests_waiting": "gauge", "twospeed_kv_cache_usage_ratio": "gauge",
+    "twospeed_kv_cache_cached_blocks": "gauge", "twospeed_engine_step_failures_total": "counter",
+    "twospeed_forced_tokens_total": "counter", "twospeed_recomputed_tokens_total": "counter",
+    "twospeed_goodput_tokens_total": "counter", "twospeed_kv_cache_num_blocks": "gauge",
+    "twospeed_kv_cache_block_bytes": "gauge", "twospeed_price_per_million_tokens": "gauge"}
 
 
 def test_metric_names_types_and_labels(server):
@@ -443,8 +446,8 @@ def test_metric_names_types_and_labels(server):
     assert all(s in METRIC_NAMES or s.endswith(suffixes) and s.rsplit("_", 1)[0] in METRIC_NAMES for s in samples)
     m = parse_metrics(text)
     assert all(dict(ls).get("model") == "demo" for _, ls in m)
-    assert {dict(ls)["kind"] for n, ls in m if n == "twospeed:step_tokens_count"} <= {"prefill", "decode"}
-    assert all("lane" in dict(ls) for n, ls in m if n.startswith("twospeed:time_to_first_token"))
+    assert {dict(ls)["kind"] for n, ls in m if n == "twospeed_step_tokens_count"} <= {"prefill", "decode"}
+    assert all("lane" in dict(ls) for n, ls in m if n.startswith("twospeed_time_to_first_token"))
 
 
 def test_metrics_match_the_responses(server):
@@ -466,21 +469,25 @@ def test_metrics_match_the_responses(server):
 
     for name in ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "e2e_request_latency_seconds"):
-        assert delta(f"twospeed:{name}_count") == served, name
-        assert delta(f"twospeed:{name}_bucket", le="+Inf") == served, name
-    assert delta("twospeed:inter_token_latency_seconds_count") == gaps
-    cached, prefilled = (delta("twospeed:prompt_tokens_total", kind=k) for k in ("cached", "prefilled"))
+        assert delta(f"twospeed_{name}_count") == served, name
+        assert delta(f"twospeed_{name}_bucket", le="+Inf") == served, name
+    assert delta("twospeed_inter_token_latency_seconds_count") == gaps
+    cached, prefilled = (delta("twospeed_prompt_tokens_total", kind=k) for k in ("cached", "prefilled"))
     assert cached + prefilled == sum(b["prompt_tokens"] for b in bills)
     assert cached == sum(b["cached_tokens"] for b in bills) and cached > 0  # lanes share the prompts' prefixes
-    assert delta("twospeed:prefix_cache_queries_total") == sum(b["prompt_tokens"] for b in bills)
-    assert delta("twospeed:prefix_cache_hits_total") == cached
-    assert delta("twospeed:generation_tokens_total") == sum(b["output_tokens"] for b in bills)
-    assert delta("twospeed:slo_requests_total", lane="strict", result="missed") == 4
-    assert delta("twospeed:slo_requests_total", lane="default", result="met") == 4
-    assert delta("twospeed:step_tokens_count", kind="decode") > 0
-    assert delta("twospeed:step_tokens_count", kind="prefill") > 0
-    assert metric_sum(after, "twospeed:kv_cache_cached_blocks") > 0
-    assert all(dict(ls).get("model") == "demo" for n, ls in after if n.startswith("twospeed:"))
+    assert delta("twospeed_prefix_cache_queries_total") == sum(b["prompt_tokens"] for b in bills)
+    assert delta("twospeed_prefix_cache_hits_total") == cached
+    assert delta("twospeed_generation_tokens_total") == sum(b["output_tokens"] for b in bills)
+    assert delta("twospeed_slo_requests_total", lane="strict", result="missed") == 4
+    assert delta("twospeed_slo_requests_total", lane="default", result="met") == 4
+    # goodput: the output of sequences that met their SLO (bills alternate default, strict)
+    assert delta("twospeed_goodput_tokens_total", lane="default") == sum(b["output_tokens"] for b in bills[0::2])
+    assert delta("twospeed_goodput_tokens_total", lane="strict") == 0
+    assert delta("twospeed_forced_tokens_total") == delta("twospeed_recomputed_tokens_total") == 0
+    assert delta("twospeed_step_tokens_count", kind="decode") > 0
+    assert delta("twospeed_step_tokens_count", kind="prefill") > 0
+    assert metric_sum(after, "twospeed_kv_cache_cached_blocks") > 0
+    assert all(dict(ls).get("model") == "demo" for n, ls in after if n.startswith("twospeed_"))
 
 
 # -- disconnects return KV blocks ----------------------------------------------------------------
@@ -507,12 +514,12 @@ def test_disconnected_clients_are_aborted_and_free_their_blocks(server):
 
     asyncio.run(main())
     after = wait_idle(server.base, timeout=20)
-    generated = (metric_sum(after, "twospeed:generation_tokens_total")
-                 - metric_sum(before, "twospeed:generation_tokens_total"))
+    generated = (metric_sum(after, "twospeed_generation_tokens_total")
+                 - metric_sum(before, "twospeed_generation_tokens_total"))
     assert generated < 16 * 200 / 2, "aborted requests kept generating"
     # Histograms count only what was served: the aborted requests add nothing.
-    assert (metric_sum(after, "twospeed:e2e_request_latency_seconds_count")
-            == metric_sum(before, "twospeed:e2e_request_latency_seconds_count"))
+    assert (metric_sum(after, "twospeed_e2e_request_latency_seconds_count")
+            == metric_sum(before, "twospeed_e2e_request_latency_seconds_count"))
 
 
 # -- schemathesis over the server's own OpenAPI document ----------------------------------------------

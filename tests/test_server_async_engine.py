@@ -13,6 +13,7 @@ from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec
+from twospeed.server.events import FinishEvent
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,11 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
     finished = []
 
     async def main():
-        ae = AsyncEngine(engine, on_finish=lambda lane, req, aborted: finished.append((req.request_id, aborted)))
+        def listener(event):
+            if isinstance(event, FinishEvent):
+                finished.append((event.request.request_id, event.aborted))
+
+        ae = AsyncEngine(engine, listeners=[listener])
         ae.start()
         try:
             # Bad input: the whole group is refused, nothing stays in the engine.

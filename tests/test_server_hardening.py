@@ -89,7 +89,7 @@ def test_attacks_get_400_and_a_stream_beside_them_is_unaffected(server):
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     for r, (_, param) in zip(answers, ATTACKS * 3):
         assert error_of(r)["param"] == param
-    assert metric_sum(wait_idle(server.base), "twospeed:engine_step_failures_total") == 0
+    assert metric_sum(wait_idle(server.base), "twospeed_engine_step_failures_total") == 0
 
 
 SURROGATES = [  # (path, raw body with a lone surrogate or bad UTF-8 somewhere, the field named)
@@ -283,7 +283,7 @@ def test_an_engine_fault_fails_only_its_request_and_is_counted():
     assert [t for e in events[:-1] for c in e["choices"] for t in c["token_ids"]] == alone
     error = error_of(culprit, 500)
     assert error["type"] == "server_error" and "IndexError: injected sampler fault" in error["message"]
-    assert 'twospeed:engine_step_failures_total{model="demo",scope="request"} 1.0' in metrics
+    assert 'twospeed_engine_step_failures_total{model="demo",scope="request"} 1.0' in metrics
 
 
 # -- nothing slow on the event loop ---------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_past_the_grace_every_open_request_ends_cleanly_and_the_process_exits():
             streams = [asyncio.create_task(stream()) for _ in range(3)]
             whole = asyncio.create_task(client.post(f"{srv.url}/completions", json={**body, "max_tokens": 200}))
             deadline = time.monotonic() + 30
-            while metric_sum(scrape(srv.base), "twospeed:num_requests_running") < 4:
+            while metric_sum(scrape(srv.base), "twospeed_num_requests_running") < 4:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             start = time.monotonic()

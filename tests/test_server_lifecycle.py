@@ -75,7 +75,7 @@ def test_full_waiting_queue_gets_429_and_admitted_requests_finish(small):
                 waiting = [asyncio.create_task(client.post(f"{small.url}/completions", json=short_body))
                            for _ in range(2)]
                 deadline = time.monotonic() + 10
-                while metric_sum(scrape(small.base), "twospeed:num_requests_waiting") < 2:
+                while metric_sum(scrape(small.base), "twospeed_num_requests_waiting") < 2:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.05)
                 rejected = await client.post(f"{small.url}/completions", json=short_body)
@@ -164,5 +164,5 @@ def test_preemption_is_billed_and_blamed():
     preempted = [r["twospeed"] for r in responses if r["twospeed"]["num_preemptions"] > 0]
     assert preempted, "the pool was meant to be too small for four sequences"
     assert all(t["bill"]["recomputed_tokens"] > 0 and t["slo"]["cause"] == "preemption" for t in preempted)
-    assert metric_sum(metrics, "twospeed:num_preemptions_total") == sum(t["num_preemptions"] for t in preempted)
-    assert metric_sum(metrics, "twospeed:slo_requests_total", cause="preemption") == len(preempted)
+    assert metric_sum(metrics, "twospeed_num_preemptions_total") == sum(t["num_preemptions"] for t in preempted)
+    assert metric_sum(metrics, "twospeed_slo_requests_total", cause="preemption") == len(preempted)

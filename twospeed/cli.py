@@ -122,7 +122,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="port (default 8000; 0 = any free port, the printed URL says which)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route (but see the next two)")
     parser.add_argument("--metrics-public", action="store_true", default=None,
-                        help="with --api-key: leave /metrics and /health open")
+                        help="with --api-key: leave /metrics, /health and /dashboard open")
     parser.add_argument("--docs-public", action="store_true", default=None,
                         help="with --api-key: leave /openapi.json, /docs and /redoc open")
     parser.add_argument("--served-model-name", help="the model id clients send (default: --model)")
@@ -139,6 +139,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "default, as OpenAI and vLLM) or cut to the room (clamp)")
     parser.add_argument("--prep-threads", type=int,
                         help="worker threads that parse, tokenize and compile requests off the event loop (default 2)")
+    parser.add_argument("--history-minutes", type=float,
+                        help="minutes of steps and requests /dashboard keeps in memory (default 15)")
+    parser.add_argument("--history-requests", type=int, help="ended sequences /dashboard keeps (default 4096)")
+    parser.add_argument("--price", metavar="INPUT,CACHED,OUTPUT",
+                        help="the dashboard's price table: dollars per 1M prefilled input, cached input, output tokens")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 

@@ -3,8 +3,8 @@
 Plots: TTFT vs prompt tokens (prefill's cost), ITL vs token position (decode's), CDFs of TTFT and ITL per
 lane, tokens per engine step over time when the server exposes them, and for job lanes a stacked bar of a
 job's time (queue / prefill / decode / tool / gate) and the prompt's growth and cache hit turn by turn. The
-page ends with the diagnosis. Everything is read from the results.json document, so a report can be rebuilt
-from a saved run.
+page ends with the diagnosis and the server dashboard's views of the run (dashboard.html, report_dashboard.py).
+Everything is read from the results.json document, so a report can be rebuilt from a saved run.
 """
 
 from __future__ import annotations
@@ -222,6 +222,10 @@ def _slug(name: str) -> str:
 
 
 def write_html(doc: dict, out: Path) -> Path:
+    """report.html (and dashboard.html, the server's dashboard views of the run, which it embeds)."""
+    from twospeed.lab.report_dashboard import write_dashboard
+
+    write_dashboard(doc, out)
     plots = _plots(doc, out)
     run = doc["run"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
@@ -246,6 +250,9 @@ padding:3px 6px;text-align:right}}pre{{white-space:pre-wrap;max-width:70em}}figu
 seed {run['seed']}, started {html.escape(run['started_at'])}, {run['wall_s']:.1f} s; token timing from
 {html.escape(run['token_source'])}; times in ms (TTFT: send to first content token; ITL: per token).</p>{warn}
 <table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{job_table}{figs}{diagnosis}
+<h2>The dashboard's views of this run</h2><p><a href="dashboard.html">dashboard.html</a>: the server's /dashboard
+panels (lanes, tokens per step, KV, the split bill, SLOs and miss causes, every request) for this run, offline.</p>
+<iframe src="dashboard.html" title="dashboard" style="width:100%;height:1400px;border:1px solid #ccc"></iframe>
 <p>Data: results.json (schema: twospeed/lab/results.schema.json), requests.csv, jobs.csv.</p></body></html>"""
     path = out / "report.html"
     path.write_text(page)

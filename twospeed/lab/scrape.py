@@ -10,8 +10,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-STEP_TOKENS = "twospeed:step_tokens"
-CACHED_BLOCKS = "twospeed:kv_cache_cached_blocks"
+STEP_TOKENS = "twospeed_step_tokens"
+CACHED_BLOCKS = "twospeed_kv_cache_cached_blocks"
 
 
 def parse(text: str) -> dict[str, float]:
@@ -46,7 +46,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 def is_twospeed(sample: dict | None) -> bool:
-    return bool(sample) and any(k.startswith("twospeed:") for k in sample)
+    return bool(sample) and any(k.startswith("twospeed_") for k in sample)
 
 
 def step_point(t: float, prev: dict, cur: dict) -> dict | None:

@@ -2,9 +2,9 @@
 
 Inputs: an EngineConfig (the model and engine options) and a ServerConfig (where to listen, the API key,
 the lanes' SLOs, the waiting-queue bound). The routes live in one router per concern (routes_openai.py,
-routes_ops.py) and share a ServerState through one FastAPI dependency; adding a page is a new router module
-(with a `router`) and one line in ROUTERS. Every route needs the API key, when one is set, unless
-guard.OPEN_PATHS opens its prefix with a flag.
+routes_ops.py, routes_dashboard.py) and share a ServerState through one FastAPI dependency; adding a page
+is a new router module (with a `router`) and one line in ROUTERS. Every route needs the API key, when one
+is set, unless guard.OPEN_PATHS opens its prefix with a flag.
 
 Every response carries the split clock and bill: a `twospeed` object in the body (and in the final
 streamed chunk of each choice), a Server-Timing header on non-streaming responses, and in every streamed
@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from twospeed.config import EngineConfig
-from twospeed.server import openapi, routes_openai, routes_ops
+from twospeed.server import openapi, routes_dashboard, routes_openai, routes_ops
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import install_error_handlers
 from twospeed.server.guard import GuardMiddleware
@@ -32,7 +32,7 @@ from twospeed.server.state import ServerState
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
-ROUTERS = [routes_openai, routes_ops]  # modules with a `router` (and BODY_MODELS if they parse bodies themselves)
+ROUTERS = [routes_openai, routes_ops, routes_dashboard]  # modules with a `router` (and BODY_MODELS if they parse bodies themselves)
 
 
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None) -> FastAPI:

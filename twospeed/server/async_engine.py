@@ -17,7 +17,10 @@ Nothing a request does may kill the thread: add_request's ValueError goes back t
 handler (a 400); a request the engine failed alone (finish_reason "error": the engine
 isolated a step failure to it) gets its error; an exception that escapes a step anyway
 fails the sequences then in flight (each handler gets the error) and the loop goes on.
-`on_fault` counts both, by scope ("request" or "step").
+
+What happens is told to a list of listeners (server/events.py: a step ran, the load changed, a sequence
+ended with its SLO verdict, a step failed), in the engine thread; the metrics and the dashboard's history
+listen. `judge` gives a finished sequence its verdict before the listeners hear of it.
 
 Inputs: token ids and SamplingParams per sequence. Outputs: `StreamItem`s (the engine's
 RequestOutput, the emission time of each new token, and the SLO verdict once finished).
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.request import Request, RequestOutput
 from twospeed.engine.sampling_params import SamplingParams
+from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, Listener, LoadEvent, StepEvent
 from twospeed.server.slo import Verdict
 
 log = logging.getLogger(__name__)
@@ -111,21 +115,18 @@ class _Tracked:
     request: Request
 
 
-FinishHook = Callable[[str, Request, bool], Verdict | None]  # (lane, request, aborted) -> verdict
+Judge = Callable[[str, Request], Verdict | None]  # (lane, finished request) -> its SLO verdict
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, on_step: Callable | None = None,
-                 on_finish: FinishHook | None = None, on_load: Callable[[dict, dict, float, int], None] | None = None,
-                 on_fault: Callable[[str], None] | None = None):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, judge: Judge | None = None,
+                 listeners: list[Listener] = ()):
         # an engine, or a builder that start() runs in the engine thread (see the module docstring)
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = engine if self._build is None else None
         self._ready: asyncio.Future | None = None
-        self._on_step = on_step  # (StepStats) -> None, in the engine thread
-        self._on_finish = on_finish  # called in the engine thread when a sequence ends
-        self._on_load = on_load  # (running by lane, waiting by lane, kv usage, cached blocks)
-        self._on_fault = on_fault  # ("request" | "step"): a step failure, isolated or not
+        self._judge = judge  # called in the engine thread when a sequence finishes (not when aborted)
+        self.listeners: list[Listener] = list(listeners)  # each called with every EngineEvent, in the engine thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -284,13 +285,22 @@ class AsyncEngine:
         self._post(batch)
 
     def _finish_hook(self, t: _Tracked, aborted: bool) -> Verdict | None:
-        if self._on_finish is None:
-            return None
-        try:
-            return self._on_finish(t.group.lane, t.request, aborted)
-        except Exception:
-            log.exception("finish hook failed for %s", t.request.request_id)
-            return None
+        verdict = None
+        if not aborted and self._judge is not None:
+            try:
+                verdict = self._judge(t.group.lane, t.request)
+            except Exception:
+                log.exception("judging %s failed", t.request.request_id)
+        self._emit(FinishEvent(t.group.lane, t.request, aborted, verdict))
+        return verdict
+
+    def _emit(self, event: EngineEvent) -> None:
+        """Tell every listener; one that raises is logged and the rest still hear it."""
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("listener %r failed on %s", listener, type(event).__name__)
 
     def _step(self) -> None:
         isolated = self.engine.num_step_failures
@@ -320,20 +330,12 @@ class AsyncEngine:
                 item.verdict = self._finish_hook(t, aborted=out.error is not None)
             batch.append((t.group, item))
         self._post(batch)
-        stats = self.engine.last_stats
-        if self._on_step is not None and stats is not None:
-            try:
-                self._on_step(stats)
-            except Exception:
-                log.exception("step hook failed")
+        if self.engine.last_stats is not None:
+            self._emit(StepEvent(self.engine.last_stats))
         self._publish_load()
 
     def _fault(self, scope: str) -> None:
-        if self._on_fault is not None:
-            try:
-                self._on_fault(scope)
-            except Exception:
-                log.exception("fault hook failed")
+        self._emit(FaultEvent(scope))
 
     def _post(self, batch: list) -> None:
         if batch:
@@ -343,16 +345,13 @@ class AsyncEngine:
         sched = self.engine.scheduler
         self._num_waiting = len(sched.waiting)
         self._num_running = len(sched.running)
-        if self._on_load is None:
+        if not self.listeners:
             return
         lanes = {rid: t.group.lane for rid, t in self._tracked.items()}
         running = Counter(lanes.get(r.request_id, "default") for r in sched.running)
         waiting = Counter(lanes.get(r.request_id, "default") for r in sched.waiting)
         kv = self.engine.kv
-        try:
-            self._on_load(running, waiting, kv.usage, kv.num_cached_blocks)
-        except Exception:
-            log.exception("load hook failed")
+        self._emit(LoadEvent(dict(running), dict(waiting), kv.usage, kv.num_cached_blocks))
 
 
 def monotonic_to_unix() -> Callable[[float], float]:

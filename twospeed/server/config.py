@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from twospeed.lab.workload import Price
+from twospeed.server.history import HistoryConfig
 from twospeed.server.slo import LaneSLO, load_slo_file, parse_slo_flag
 
 
@@ -27,6 +29,9 @@ class ServerConfig:
     # "clamp" = cut to the room. One it did not set (completions' default 16) is cut to the room either way.
     max_tokens_policy: Literal["error", "clamp"] = "error"
     prep_threads: int = 2  # worker threads that parse, tokenize, render and compile requests off the event loop
+    history_minutes: float = 15.0  # minutes of steps and requests the dashboard's history keeps (server/history.py)
+    history_requests: int = 4096  # ended sequences the history keeps with their clock and bill
+    price: str | None = None  # the dashboard's price table: "INPUT,CACHED,OUTPUT" dollars per 1M tokens
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -37,6 +42,15 @@ class ServerConfig:
             raise ValueError("max_body_bytes and prep_threads must be >= 1")
         if self.max_tokens_policy not in ("error", "clamp"):
             raise ValueError(f"max_tokens_policy must be 'error' or 'clamp', got {self.max_tokens_policy!r}")
+        self.history()
+        self.price_table()
+
+    def history(self) -> HistoryConfig:
+        return HistoryConfig(minutes=self.history_minutes, max_requests=self.history_requests)
+
+    def price_table(self) -> Price:
+        """Dollars per 1M tokens (all 0 without --price)."""
+        return Price.parse(self.price)
 
     def lanes(self) -> list[LaneSLO]:
         lanes = [parse_slo_flag(s) for s in self.slo]

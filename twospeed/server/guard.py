@@ -7,12 +7,17 @@ API) and paths that do not exist (a 401 tells a stranger less than a 404); `OPEN
 of exceptions: a path prefix and the ServerConfig flag that opens it. A new router is keyed without
 touching this file, and joins the table only to offer an opener.
 
+The key goes as `Authorization: Bearer KEY`, or as the password of HTTP Basic auth (any user name): a
+browser cannot send a Bearer header when it opens /dashboard, but it asks for a Basic password when the 401
+says so (BROWSER_PATHS get that challenge) and then sends it with every request of the page.
+
 A body larger than max_body_bytes gets 413 before it is read: at once from its Content-Length, or as
 soon as a chunked body grows past the limit.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 
 from fastapi.responses import JSONResponse
@@ -23,16 +28,38 @@ from twospeed.server.errors import error_body
 OPEN_PATHS: list[tuple[str, str]] = [  # (path prefix, the ServerConfig flag that opens it without the key)
     ("/health", "metrics_public"),
     ("/metrics", "metrics_public"),
+    ("/dashboard", "metrics_public"),  # the page, its data, the clock: what /metrics shows, drawn
     ("/openapi.json", "docs_public"),
     ("/docs", "docs_public"),
     ("/redoc", "docs_public"),
 ]
 
 
+BROWSER_PATHS = ("/dashboard",)  # a 401 here asks the browser for a Basic password (the key)
+
+
+def _matches(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def key_given(authorization: bytes, key: bytes) -> bool:
+    """Whether the Authorization header carries the key: Bearer KEY, or Basic with KEY as the password."""
+    scheme, _, token = authorization.partition(b" ")
+    token = token.strip()
+    if scheme.lower() == b"basic":
+        try:
+            token = base64.b64decode(token, validate=True).partition(b":")[2]
+        except ValueError:
+            return False
+    elif scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(token, key)
+
+
 def needs_key(path: str, config: ServerConfig) -> bool:
     """Whether `path` needs the API key under this config (a prefix matches whole path segments)."""
     for prefix, opener in OPEN_PATHS:
-        if path == prefix or path.startswith(prefix + "/"):
+        if _matches(path, prefix):
             return not getattr(config, opener)
     return True
 
@@ -52,11 +79,12 @@ class GuardMiddleware:
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or ())
         if self._key is not None and needs_key(path, self.config):
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+            if not key_given(headers.get(b"authorization", b""), self._key):
+                browser = any(_matches(path, p) for p in BROWSER_PATHS)
+                challenge = 'Basic realm="twospeed", charset="UTF-8"' if browser else "Bearer"
                 response = JSONResponse(error_body("missing or incorrect API key (send Authorization: Bearer KEY)",
                                                    "authentication_error", None, "invalid_api_key"),
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                                        status_code=401, headers={"WWW-Authenticate": challenge})
                 return await response(scope, receive, send)
         state = self.get_state()
         if state is not None and state.draining and scope.get("method") == "POST":

@@ -12,100 +12,166 @@ was done. inter_token_latency gets one observation per gap between consecutive t
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from twospeed.engine.engine import StepStats
-from twospeed.engine.request import Bill, Clock
-from twospeed.server.slo import Verdict
+from twospeed.engine.request import Clock
+from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
+from twospeed.server.slo import CAUSES, Verdict
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # The exposition holds exactly the documented names: no `_created` series beside each counter and histogram.
 disable_created_metrics()
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+def geometric_buckets(lo: float, hi: float, per_decade: int) -> tuple[float, ...]:
+    """Bucket bounds from lo to hi (inclusive), `per_decade` to a decade (each 10**(1/per_decade) times the last),
+    rounded to 4 significant digits. histogram_quantile interpolates linearly inside a bucket, so its estimate of
+    a quantile is off by at most one bucket's width: with 25 to a decade (x1.096), under 10%."""
+    n = math.ceil(per_decade * math.log10(hi / lo) - 1e-9)
+    return tuple(float(f"{lo * 10 ** (k / per_decade):.4g}") for k in range(n + 1))
+
+
+# Fine where SLOs live (TTFT 10 ms - 30 s, ITL 2 ms - 1 s: histogram_quantile's p99 within 10% of the exact one;
+# coarse outside. The old 1.0 -> 2.5 s and 2.5 -> 5 s steps made Prometheus's p99 twice the clients'.)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, *geometric_buckets(0.01, 30.0, 25), 60.0, 120.0, 300.0, 600.0, 1200.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, *geometric_buckets(0.002, 1.0, 25), 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS = (*geometric_buckets(0.001, 1000.0, 10), 2560.0)  # queue, prefill, decode, e2e: x1.26
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PROMPT_KINDS = ("cached", "prefilled")
+STEP_KINDS = ("prefill", "decode")
+FAULT_SCOPES = ("request", "step")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    """The server's registry; `on_event` is its engine listener (server/events.py)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, lanes: tuple[str, ...] = ()):
         self.model = model_name
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r, lm = self.registry, ("lane", "model")
 
-        def hist(name: str, doc: str, buckets=_LATENCY_BUCKETS, labels=lm) -> Histogram:
+        def hist(name: str, doc: str, buckets=PHASE_BUCKETS, labels=lm) -> Histogram:
             return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
-        self.ttft = hist("twospeed:time_to_first_token_seconds", "first_token - arrival, per sequence")
-        self.itl = hist("twospeed:inter_token_latency_seconds", "gap between consecutive output tokens",
-                        _ITL_BUCKETS)
-        self.queue = hist("twospeed:request_queue_time_seconds", "first_scheduled - arrival, per sequence")
-        self.prefill = hist("twospeed:request_prefill_time_seconds",
+        self.ttft = hist("twospeed_time_to_first_token_seconds", "first_token - arrival, per sequence", TTFT_BUCKETS)
+        self.itl = hist("twospeed_inter_token_latency_seconds", "gap between consecutive output tokens", ITL_BUCKETS)
+        self.queue = hist("twospeed_request_queue_time_seconds", "first_scheduled - arrival, per sequence")
+        self.prefill = hist("twospeed_request_prefill_time_seconds",
                             "prefill_done - first_scheduled (includes waits between chunks), per sequence")
-        self.decode = hist("twospeed:request_decode_time_seconds", "finished - first_token, per sequence")
-        self.e2e = hist("twospeed:e2e_request_latency_seconds", "finished - arrival (ttlt), per sequence")
-        self.step_tokens = hist("twospeed:step_tokens", "tokens computed in one engine step, by kind",
-                                _STEP_TOKEN_BUCKETS, ("kind", "model"))
-        self.prompt_tokens = Counter("twospeed:prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
+        self.decode = hist("twospeed_request_decode_time_seconds", "finished - first_token, per sequence")
+        self.e2e = hist("twospeed_e2e_request_latency_seconds", "finished - arrival (ttlt), per sequence")
+        self.step_tokens = hist("twospeed_step_tokens", "tokens computed in one engine step, by kind",
+                                STEP_TOKEN_BUCKETS, ("kind", "model"))
+        self.prompt_tokens = Counter("twospeed_prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
                                      ("lane", "model", "kind"), registry=r)
-        self.generation_tokens = Counter("twospeed:generation_tokens", "output tokens emitted", lm, registry=r)
-        self.prefix_queries = Counter("twospeed:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+        self.generation_tokens = Counter("twospeed_generation_tokens", "output tokens emitted", lm, registry=r)
+        self.forced_tokens = Counter("twospeed_forced_tokens",
+                                     "output tokens a grammar forced (appended without a decode step)", lm, registry=r)
+        self.recomputed_tokens = Counter("twospeed_recomputed_tokens",
+                                         "tokens computed again after a preemption dropped their KV", lm, registry=r)
+        self.goodput_tokens = Counter("twospeed_goodput_tokens",
+                                      "output tokens of finished sequences that met their lane's SLO", lm, registry=r)
+        self.prefix_queries = Counter("twospeed_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                       lm, registry=r)
-        self.prefix_hits = Counter("twospeed:prefix_cache_hits", "prompt tokens found in the prefix cache", lm,
+        self.prefix_hits = Counter("twospeed_prefix_cache_hits", "prompt tokens found in the prefix cache", lm,
                                    registry=r)
-        self.preemptions = Counter("twospeed:num_preemptions", "preemptions of finished sequences", lm, registry=r)
-        self.slo = Counter("twospeed:slo_requests", "finished sequences judged against their lane's SLO",
+        self.preemptions = Counter("twospeed_num_preemptions", "preemptions of finished sequences", lm, registry=r)
+        self.slo = Counter("twospeed_slo_requests", "finished sequences judged against their lane's SLO",
                            ("lane", "model", "result", "cause"), registry=r)
-        self.running = Gauge("twospeed:num_requests_running", "sequences in the running batch", lm, registry=r)
-        self.waiting = Gauge("twospeed:num_requests_waiting", "sequences waiting (new or preempted)", lm, registry=r)
-        self.kv_usage = Gauge("twospeed:kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool",
+        self.running = Gauge("twospeed_num_requests_running", "sequences in the running batch", lm, registry=r)
+        self.waiting = Gauge("twospeed_num_requests_waiting", "sequences waiting (new or preempted)", lm, registry=r)
+        self.kv_usage = Gauge("twospeed_kv_cache_usage_ratio", "KV blocks in use / KV blocks in the pool",
                               ("model",), registry=r)
-        self.kv_cached = Gauge("twospeed:kv_cache_cached_blocks",
+        self.kv_cached = Gauge("twospeed_kv_cache_cached_blocks",
                                "KV blocks holding a cached prefix (in use or free and reusable)", ("model",),
                                registry=r)
-        self.step_failures = Counter("twospeed:engine_step_failures",
+        self.kv_blocks = Gauge("twospeed_kv_cache_num_blocks", "KV blocks in the pool", ("model",), registry=r)
+        self.kv_block_bytes = Gauge("twospeed_kv_cache_block_bytes", "bytes of K and V one KV block holds (all layers)",
+                                    ("model",), registry=r)
+        self.price = Gauge("twospeed_price_per_million_tokens", "the --price table: dollars per 1M tokens, by kind "
+                           "(input: prefilled, cached_input, output)", ("kind", "model"), registry=r)
+        self.step_failures = Counter("twospeed_engine_step_failures",
                                      "engine steps that raised, by scope: request (only the requests that caused it "
                                      "failed) or step (every sequence in flight failed)", ("model", "scope"),
                                      registry=r)
-        for scope in ("request", "step"):
+        for scope in FAULT_SCOPES:
             self.step_failures.labels(self.model, scope)
+        for kind in STEP_KINDS:
+            self.step_tokens.labels(kind, self.model)
         self._lanes: set[str] = set()
+        for lane in lanes:
+            self.add_lane(lane)
         self.set_load({}, {}, 0.0, 0)
 
+    def set_pool(self, num_blocks: int, block_bytes: int, price_per_m: dict[str, float]) -> None:
+        """Facts fixed at start: the KV pool's size and block bytes, the price table."""
+        self.kv_blocks.labels(self.model).set(num_blocks)
+        self.kv_block_bytes.labels(self.model).set(block_bytes)
+        for kind, dollars in price_per_m.items():
+            self.price.labels(kind, self.model).set(dollars)
+
+    def add_lane(self, lane: str) -> None:
+        """Every series of a lane at 0, so that rate() over it is 0 rather than nothing before its first request."""
+        if lane in self._lanes:
+            return
+        self._lanes.add(lane)
+        labels = (lane, self.model)
+        for metric in (self.ttft, self.itl, self.queue, self.prefill, self.decode, self.e2e, self.generation_tokens,
+                       self.forced_tokens, self.recomputed_tokens, self.goodput_tokens, self.prefix_queries,
+                       self.prefix_hits, self.preemptions, self.running, self.waiting):
+            metric.labels(*labels)
+        for kind in PROMPT_KINDS:
+            self.prompt_tokens.labels(lane, self.model, kind)
+        self.slo.labels(lane, self.model, "met", "none")
+        for cause in CAUSES:
+            self.slo.labels(lane, self.model, "missed", cause)
+
     # -- engine thread ---------------------------------------------------------------------------
+    def on_event(self, event: EngineEvent) -> None:
+        match event:
+            case StepEvent(stats):
+                self.on_step(stats)
+            case LoadEvent(running, waiting, kv_usage, cached_blocks):
+                self.set_load(running, waiting, kv_usage, cached_blocks)
+            case FinishEvent(lane, request, aborted, verdict):
+                self.on_finished(lane, event.counts(), request.clock, aborted, verdict)
+            case FaultEvent(scope):
+                self.step_failures.labels(self.model, scope).inc()
+
     def on_step(self, stats: StepStats) -> None:
         if stats.num_prefill_tokens:
             self.step_tokens.labels("prefill", self.model).observe(stats.num_prefill_tokens)
         if stats.num_decode_tokens:
             self.step_tokens.labels("decode", self.model).observe(stats.num_decode_tokens)
 
-    def on_fault(self, scope: str) -> None:
-        self.step_failures.labels(self.model, scope).inc()
-
     def set_load(self, running: dict[str, int], waiting: dict[str, int], kv_usage: float, cached_blocks: int) -> None:
         """Per-lane running/waiting counts (lanes not named are 0) and the pool's state."""
-        self._lanes |= running.keys() | waiting.keys()
-        for lane in self._lanes:
+        for lane in running.keys() | waiting.keys():
+            self.add_lane(lane)
+        for lane in tuple(self._lanes):  # add_lane may run on the event loop meanwhile
             self.running.labels(lane, self.model).set(running.get(lane, 0))
             self.waiting.labels(lane, self.model).set(waiting.get(lane, 0))
         self.kv_usage.labels(self.model).set(kv_usage)
         self.kv_cached.labels(self.model).set(cached_blocks)
 
-    def on_finished(self, lane: str, clock: Clock, bill: Bill, num_preemptions: int, aborted: bool,
+    def on_finished(self, lane: str, counts: dict[str, int], clock: Clock, aborted: bool,
                     verdict: Verdict | None) -> None:
+        """counts: FinishEvent.counts(). Aborted sequences count in the token counters only (the work was done)."""
+        self.add_lane(lane)
         labels = (lane, self.model)
-        if clock.first_scheduled is not None:  # billed only once admitted (the bill is set then)
-            self.prompt_tokens.labels(lane, self.model, "cached").inc(bill.cached_tokens)
-            self.prompt_tokens.labels(lane, self.model, "prefilled").inc(bill.prefilled_tokens)
-            self.prefix_queries.labels(*labels).inc(bill.prompt_tokens)
-            self.prefix_hits.labels(*labels).inc(bill.cached_tokens)
-        self.generation_tokens.labels(*labels).inc(bill.output_tokens)
-        if num_preemptions:
-            self.preemptions.labels(*labels).inc(num_preemptions)
+        for kind in PROMPT_KINDS:
+            self.prompt_tokens.labels(lane, self.model, kind).inc(counts[f"{kind}_tokens"])
+        for counter, key in ((self.generation_tokens, "output_tokens"), (self.forced_tokens, "forced_tokens"),
+                             (self.recomputed_tokens, "recomputed_tokens"), (self.goodput_tokens, "goodput_tokens"),
+                             (self.prefix_queries, "prefix_queries"), (self.prefix_hits, "prefix_hits"),
+                             (self.preemptions, "preemptions")):
+            if counts[key]:
+                counter.labels(*labels).inc(counts[key])
         if aborted or clock.ttlt is None:
             return
         for hist, value in ((self.ttft, clock.ttft), (self.queue, clock.queue_time), (self.prefill, clock.prefill_time),

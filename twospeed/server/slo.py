@@ -11,7 +11,7 @@ Metrics (the split clock of docs/ARCHITECTURE.md): queue, prefill, ttft, itl, tp
 
 Judging one request: for queue/prefill/ttft/tpot/ttlt the request's own value is compared
 with the threshold (the percentile says what share of the lane's requests may miss: p99 ->
-1%, which a dashboard reads off twospeed:slo_requests_total); for itl the request's own
+1%, which a dashboard reads off twospeed_slo_requests_total); for itl the request's own
 percentile of its token gaps is compared (itl_p99: its p99 gap; itl with no percentile:
 its largest gap). An objective whose value the request does not have (tpot of a
 one-token answer) is skipped.

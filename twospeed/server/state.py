@@ -17,9 +17,10 @@ from fastapi import Depends, Request
 from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, ShutdownError, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.server.errors import APIError
+from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
 from twospeed.server.prepare import Preparer
-from twospeed.server.slo import SLOTable
+from twospeed.server.slo import DEFAULT_LANE, SLOTable, Verdict
 from twospeed.server.workers import WorkerPool
 
 LANE_HEADER = "x-twospeed-lane"
@@ -35,15 +36,17 @@ class ServerState:
         self.config = server_config
         self.model_name = model_name
         self.slos = SLOTable(server_config.lanes())
-        self.metrics = ServerMetrics(model_name)
-        self.async_engine = AsyncEngine(engine, on_step=self.metrics.on_step, on_finish=self._on_finish,
-                                        on_load=self.metrics.set_load, on_fault=self.metrics.on_fault)
+        self.metrics = ServerMetrics(model_name, lanes=(DEFAULT_LANE, *self.slos.lanes))
+        self.history = History(server_config.history())
+        self.async_engine = AsyncEngine(engine, judge=self._judge, listeners=[self.metrics.on_event,
+                                                                              self.history.on_event])
         self.to_unix = monotonic_to_unix()
         self.draining = False
         self.created = int(time.time())
         self.workers: WorkerPool | None = None
         self.prepare = Preparer(self)
         self.open_groups: set[RequestGroup] = set()  # admitted, their response not yet finished
+        self.kv_bytes_per_block = 0  # bytes of K and V one block holds, once the engine is built
         self._decode_one = lru_cache(maxsize=65536)(self._decode_token)
 
     async def start(self) -> None:
@@ -51,11 +54,21 @@ class ServerState:
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
+        from twospeed.engine.runner import kv_bytes_per_block
+
+        engine = self.engine
+        self.kv_bytes_per_block = kv_bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.dtype)
+        self.metrics.set_pool(engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
         # The model, torch and the libraries are loaded for good: take them out of the cyclic GC's reach. Without
         # this a full collection walks them all, holding the GIL for 0.25-0.4 s on the demo model when a big
         # request allocates enough to trigger one (the event loop and the engine thread both stall); vLLM does
         # the same after its startup.
         gc.freeze()
+
+    def price_per_m(self) -> dict[str, float]:
+        """The --price table: dollars per 1M tokens by kind (input = prefilled, cached_input, output)."""
+        price = self.config.price_table()
+        return {"input": price.input_per_m, "cached_input": price.cached_input_per_m, "output": price.output_per_m}
 
     async def stop(self) -> None:
         self.draining = True
@@ -88,10 +101,8 @@ class ServerState:
         self.open_groups.discard(group)
         self.async_engine.abort(group)
 
-    def _on_finish(self, lane, request, aborted):
-        verdict = None if aborted else self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
-        self.metrics.on_finished(lane, request.clock, request.bill, request.num_preemptions, aborted, verdict)
-        return verdict
+    def _judge(self, lane: str, request) -> Verdict:
+        return self.slos.judge(lane, request.clock, request.bill, request.num_preemptions)
 
     def _decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -110,6 +121,7 @@ class ServerState:
             lane = self.slos.admit(lane_name)
         except ValueError as e:
             raise APIError(400, str(e), param="lane") from None
+        self.metrics.add_lane(lane.lane)
         engine = self.async_engine
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
