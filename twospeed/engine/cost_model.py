@@ -1,0 +1,220 @@
+"""Predicted step time from the step's shape, calibrated online from the engine's own measured steps.
+
+The scheduler sizes a step's prompt share by time (scheduler.py): with streams decoding, it admits the most
+prompt tokens whose predicted step time stays within the target ITL. It asks `predict(shape)` while it fills
+the step; the engine calls `observe(shape, seconds)` after the step with what it measured. The planner's
+simulator can drive the scheduler with the same class and a fixed, offline-fitted profile
+(`LinearCostModel.from_profile(..., online=False)`): whatever implements `StepCostModel` will do.
+
+The model is linear in six features of the step (`StepShape.features`): a constant (weights read once, per-step
+dispatch), prompt rows and the (query, key) pairs they attend (the linears, the prefill attention), decode rows
+and the context they read (the linears at small M, the KV streamed), and sampled rows (the vocabulary matmul,
+the sampler). Coefficients are kept non-negative, so a prediction never falls when a chunk grows and is never
+negative. `LinearCostModel` fits them by least squares with exponential forgetting (the normal equations
+decay by `forgetting` per observation, so the fit follows a machine whose speed drifts), each solve a small
+non-negative least-squares problem (Lawson-Hanson) regularised lightly towards the prior, so that a feature the
+recent steps did not vary (no prompt chunk for a minute) keeps its prior value instead of an arbitrary one.
+The prior is the start-up probe's fit (engine/cost_probe.py), else a roofline guess. An observation far off the
+prediction (another tenant took the core for 300 ms) is down-weighted, so one outlier cannot swing the fit.
+
+It also keeps the relative error |predicted - measured| / measured of its recent predictions (made before each
+observation was learned), for /metrics and the benchmarks. No torch and no clock here: time is what the caller
+measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+
+FEATURES = ("step", "prefill_tokens", "prefill_attention", "decode_tokens", "decode_context", "sampled")
+UNITS = ("s", "s/token", "s/pair", "s/token", "s/context token", "s/row")
+# Feature scales for the fit (a typical step has each scaled feature near 1), so the regulariser weighs alike.
+_SCALES = np.array([1.0, 1e3, 1e6, 1e2, 1e5, 1e2])
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, as the cost model sees it. Build it chunk by chunk with `with_chunk`."""
+
+    prefill_tokens: int = 0  # rows of prompt (or recompute) chunks
+    prefill_attention: int = 0  # (query, key) pairs those rows attend: n * start + n (n + 1) / 2 per chunk
+    decode_tokens: int = 0  # decode rows: one per stream (more where a grammar forced tokens)
+    decode_context: int = 0  # the context those rows read, summed
+    sampled: int = 0  # rows through the vocabulary matmul and the sampler
+
+    def with_chunk(self, start: int, num_tokens: int, is_decode: bool, samples: bool) -> StepShape:
+        """This shape plus one chunk: tokens [start, start + num_tokens) of a request, each attending its prefix."""
+        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+        if is_decode:
+            return replace(self, decode_tokens=self.decode_tokens + num_tokens,
+                           decode_context=self.decode_context + pairs, sampled=self.sampled + samples)
+        return replace(self, prefill_tokens=self.prefill_tokens + num_tokens,
+                       prefill_attention=self.prefill_attention + pairs, sampled=self.sampled + samples)
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable) -> StepShape:
+        """From the scheduler's chunks (anything with start, num_tokens, is_decode and samples)."""
+        shape = cls()
+        for c in chunks:
+            shape = shape.with_chunk(c.start, c.num_tokens, c.is_decode, c.samples)
+        return shape
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    def features(self) -> tuple[float, ...]:
+        """The model's inputs, in FEATURES order; an empty step has none."""
+        if not self.num_tokens:
+            return (0.0,) * len(FEATURES)
+        return (1.0, float(self.prefill_tokens), float(self.prefill_attention), float(self.decode_tokens),
+                float(self.decode_context), float(self.sampled))
+
+
+class StepCostModel(Protocol):
+    """What the scheduler needs: a step's predicted seconds; what the engine gives back: the measured ones."""
+
+    def predict(self, shape: StepShape) -> float: ...
+
+    def observe(self, shape: StepShape, seconds: float) -> None: ...
+
+
+class LinearCostModel:
+    """seconds = sum(coefficient_i * feature_i), coefficients >= 0, fitted online (see the module docstring).
+
+    `prior`: coefficients in FEATURES order (natural units: UNITS), the fit's starting point and regularisation
+    target. `online=False` keeps them fixed (a profile for the simulator) while still tracking the error.
+    `key` names what the coefficients hold for (e.g. "cpu/bfloat16"): a profile fitted on one device and dtype
+    means nothing on another.
+    """
+
+    def __init__(self, prior: Sequence[float], *, key: str = "", online: bool = True, forgetting: float = 0.98,
+                 ridge: float = 1e-6, error_window: int = 512):
+        if len(prior) != len(FEATURES) or any(not (c >= 0 and math.isfinite(c)) for c in prior):
+            raise ValueError(f"prior needs {len(FEATURES)} finite non-negative coefficients ({', '.join(FEATURES)})")
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        self.key = key
+        self.online = online
+        self.forgetting = forgetting
+        self.ridge = ridge
+        self._prior = np.asarray(prior, dtype=float) * _SCALES  # in scaled units
+        self._coef = self._prior.copy()
+        self._coef_list = list(np.asarray(prior, dtype=float))  # natural units, for a fast pure-Python predict
+        n = len(FEATURES)
+        self._gram = np.zeros((n, n))  # sum of w * x x^T over observations (scaled x), decayed
+        self._rhs = np.zeros(n)  # sum of w * x * y, decayed
+        self._passive: list[int] = [i for i in range(n) if self._prior[i] > 0]
+        self.num_observed = 0
+        self._errors: deque[float] = deque(maxlen=error_window)
+
+    # -- the interface --------------------------------------------------------------------------
+    def predict(self, shape: StepShape) -> float:
+        """Seconds the step should take (never negative; 0 for an empty step)."""
+        return max(0.0, sum(c * x for c, x in zip(self._coef_list, shape.features())))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Learn one measured step (seconds, > 0); the error of the prediction made before it is recorded."""
+        if not shape.num_tokens or not seconds > 0 or not math.isfinite(seconds):
+            return
+        predicted = self.predict(shape)
+        error = abs(predicted - seconds) / seconds
+        self._errors.append(error)
+        self.num_observed += 1
+        if not self.online:
+            return
+        # A step far off the prediction once the fit has settled (a preempted core, a page-fault storm) counts less.
+        weight = 1.0 if self.num_observed <= 20 or error <= 1.0 else 1.0 / error
+        x = np.asarray(shape.features()) / _SCALES
+        self._gram *= self.forgetting
+        self._rhs *= self.forgetting
+        self._gram += weight * np.outer(x, x)
+        self._rhs += weight * seconds * x
+        self._fit()
+
+    # -- what it knows --------------------------------------------------------------------------
+    @property
+    def coefficients(self) -> dict[str, float]:
+        """Fitted coefficients by feature name, in UNITS."""
+        return dict(zip(FEATURES, self._coef_list))
+
+    def error_quantiles(self) -> tuple[float, float] | None:
+        """(p50, p99) of |predicted - measured| / measured over the recent observations; None before any."""
+        if not self._errors:
+            return None
+        errors = sorted(self._errors)
+        return _quantile(errors, 0.5), _quantile(errors, 0.99)
+
+    def clear_errors(self) -> None:
+        """Forget the recorded errors (not the fit): after a warm-up whose misses would only mislead."""
+        self._errors.clear()
+
+    def profile(self) -> dict:
+        """The fitted model as plain data (JSON-ready), for from_profile."""
+        return {"key": self.key, "features": list(FEATURES), "units": list(UNITS),
+                "coefficients": list(self._coef_list), "observations": self.num_observed}
+
+    @classmethod
+    def from_profile(cls, profile: dict, *, online: bool = False, **options) -> LinearCostModel:
+        if list(profile.get("features", [])) != list(FEATURES):
+            raise ValueError(f"a profile for features {profile.get('features')}, not {list(FEATURES)}")
+        return cls(profile["coefficients"], key=profile.get("key", ""), online=online, **options)
+
+    # -- the fit ---------------------------------------------------------------------------------
+    def _fit(self) -> None:
+        """min ||X c - y||^2_w + ridge ||c - prior||^2 over c >= 0, as a bound-constrained quadratic."""
+        n = len(FEATURES)
+        scale = max(1.0, float(np.trace(self._gram)) / n)
+        hessian = self._gram + self.ridge * scale * np.eye(n)
+        gradient = self._rhs + self.ridge * scale * self._prior
+        self._coef, self._passive = _nonnegative_quadratic(hessian, gradient, self._passive)
+        self._coef_list = [float(v) for v in self._coef / _SCALES]
+
+
+def _nonnegative_quadratic(h: np.ndarray, g: np.ndarray, passive: list[int]) -> tuple[np.ndarray, list[int]]:
+    """argmin 1/2 x^T h x - g^T x subject to x >= 0, h positive definite: Lawson and Hanson's NNLS on the normal
+    equations, warm-started from the last fit's free set `passive`. Returns (x, its free set)."""
+    n = len(g)
+
+    def solve(free: list[int]) -> np.ndarray:
+        s = np.zeros(n)
+        if free:
+            s[free] = np.linalg.solve(h[np.ix_(free, free)], g[free])
+        return s
+
+    free = sorted(passive)
+    x = solve(free)
+    if any(x[i] <= 0 for i in free):  # the old free set no longer fits: start from nothing free
+        free, x = [], np.zeros(n)
+    tol = 1e-12 * max(1.0, float(np.abs(g).max()))
+    for _ in range(3 * n):  # a few iterations in practice; bounded against round-off cycling
+        w = g - h @ x  # minus the gradient: freeing a fixed variable with w > 0 lowers the objective
+        fixed = [i for i in range(n) if i not in free and w[i] > tol]
+        if not fixed:
+            break
+        free = sorted([*free, max(fixed, key=lambda i: w[i])])
+        for _ in range(3 * n):
+            s = solve(free)
+            if all(s[i] > 0 for i in free):
+                x = s
+                break
+            # walk from x towards s until the first free variable reaches 0, and fix it there
+            alpha = min((x[i] / (x[i] - s[i]) for i in free if s[i] <= 0 < x[i] - s[i]), default=0.0)
+            x = x + alpha * (s - x)
+            floor = 1e-12 * float(np.abs(x).max())  # round-off leaves the variable that hit 0 at ~1e-300
+            free = [i for i in free if x[i] > floor]
+            x[[i for i in range(n) if i not in free]] = 0.0
+    return np.maximum(x, 0.0), free
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    k = (len(sorted_values) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo))
