@@ -14,8 +14,9 @@ negative. `LinearCostModel` fits them by least squares with exponential forgetti
 decay by `forgetting` per observation, so the fit follows a machine whose speed drifts), each solve a small
 non-negative least-squares problem (Lawson-Hanson) regularised lightly towards the prior, so that a feature the
 recent steps did not vary (no prompt chunk for a minute) keeps its prior value instead of an arbitrary one.
-The prior is the start-up probe's fit (engine/cost_probe.py), else a roofline guess. An observation far off the
-prediction (another tenant took the core for 300 ms) is down-weighted, so one outlier cannot swing the fit.
+The prior is a roofline guess, refined by the start-up probe (engine/cost_probe.py). An observation more than
+twice off the prediction (another tenant took the core for 300 ms) is learnt as if it were twice off, so one
+outlier cannot swing the fit.
 
 It also keeps the relative error |predicted - measured| / measured of its recent predictions (made before each
 observation was learned), for /metrics and the benchmarks. No torch and no clock here: time is what the caller
@@ -129,13 +130,16 @@ class LinearCostModel:
         self.num_observed += 1
         if not self.online:
             return
-        # A step far off the prediction once the fit has settled (a preempted core, a page-fault storm) counts less.
-        weight = 1.0 if self.num_observed <= 20 or error <= 1.0 else 1.0 / error
+        # Once the fit has settled, a step far off the prediction (another tenant took the core, a page-fault storm)
+        # is learnt as if it had been only twice off: one outlier moves the fit like one ordinary step, while a
+        # machine that really got slower still pulls the fit its way, step after step.
+        if self.num_observed > 20 and predicted > 0:
+            seconds = min(max(seconds, predicted / 1.5), 1.5 * predicted)
         x = np.asarray(shape.features()) / _SCALES
         self._gram *= self.forgetting
         self._rhs *= self.forgetting
-        self._gram += weight * np.outer(x, x)
-        self._rhs += weight * seconds * x
+        self._gram += np.outer(x, x)
+        self._rhs += seconds * x
         self._fit()
 
     # -- what it knows --------------------------------------------------------------------------

@@ -278,11 +278,11 @@ class PromptShare:
             if self.cap is not None and self.prefill_tokens > self.cap:
                 return 0
             target = min((t for t in (self.target, self.sched.step_target([req])) if t is not None), default=None)
-            if self.prefill_tokens and target is not None and self._predict(start, n, True, req) > target:
+            if self.prefill_tokens and target is not None and not self._within(start, n, True, req, target):
                 self.time_bound = True
                 return 0
             return n
-        if n <= 0 or self.target is None or self._predict(start, n, False, req) <= self.target:
+        if n <= 0 or self.target is None or self._within(start, n, False, req, self.target):
             return max(n, 0)
         self.time_bound = True
         bs = self.block_size
@@ -290,7 +290,7 @@ class PromptShare:
         lo, hi = 0, len(ends)  # the last end that fits is ends[lo - 1] (none when lo == 0)
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._predict(start, ends[mid] - start, False, req) <= self.target:
+            if self._within(start, ends[mid] - start, False, req, self.target):
                 lo = mid + 1
             else:
                 hi = mid
@@ -298,9 +298,10 @@ class PromptShare:
             return ends[lo - 1] - start
         return (ends[0] - start if ends else n) if not self.prefill_tokens else 0  # one block, if the first
 
-    def _predict(self, start: int, n: int, is_decode: bool, req: Request) -> float:
+    def _within(self, start: int, n: int, is_decode: bool, req: Request, target: float) -> bool:
+        """The step with this chunk added is predicted within target (a part in 1e9 spared for float rounding)."""
         shape = self.shape.with_chunk(start, n, is_decode, start + n == req.num_tokens)
-        return self.sched.cost_model.predict(shape)
+        return self.sched.cost_model.predict(shape) <= target * (1 + 1e-9)
 
     def add(self, chunk: ScheduledChunk) -> None:
         """A chunk was placed."""
