@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = len(chunk_sizes) * (args.chunk_context + max(chunk_sizes) + 1)
         tokens += len(chunk_sizes) * len(decode_counts) * max(decode_counts) * (args.decode_context + 1)
         llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, num_gpu_blocks=tokens // 16 + 64,
-                  max_num_batched_tokens=4096)
+                  max_num_batched_tokens=4096, cost_probe=False)
         build = StepBuilder(llm)
         rows = []
         for n in chunk_sizes:
