@@ -76,7 +76,7 @@ def test_tracks_a_machine_that_gets_twice_as_slow():
 
 def test_one_outlier_counts_as_one_step_half_again_as_slow():
     """Once settled, a step 50x slower than predicted (another tenant took the core) is learnt as one 1.5x slower:
-    the typical prediction moves by a few percent, not by 50x."""
+    the typical prediction moves by about a tenth, not by 50x."""
     model = LinearCostModel(PRIOR)
     data = shapes(300)
     rng = random.Random(5)
@@ -88,7 +88,7 @@ def test_one_outlier_counts_as_one_step_half_again_as_slow():
     held_out = shapes(100, seed=6)
     assert [spike.predict(s) for s in held_out] == pytest.approx([capped.predict(s) for s in held_out], rel=1e-9)
     moves = sorted(abs(spike.predict(s) / model.predict(s) - 1) for s in held_out)
-    assert moves[50] < 0.05
+    assert moves[50] < 0.15
 
 
 @settings(max_examples=60, deadline=None)

@@ -99,9 +99,14 @@ class Sim:
         if self.cost is None or not self.cfg.enable_chunked_prefill or not out.num_prefill_tokens:
             return
         share, default = self.cfg.itl_objective_share, self.cfg.target_step_time
+        decodes = [c for c in out.chunks if c.is_decode]
         own = [c.request.itl_target * share if c.request.itl_target is not None and share > 0 else default
-               for c in out.chunks if c.is_decode]
+               for c in decodes]
         target = min((t for t in own if t is not None), default=math.inf)
+        # where decodes alone take the target up, prompts still get min_prompt_share of the step
+        target = max(target, self.cost.predict(StepShape.from_chunks(decodes)) / (1 - self.cfg.min_prompt_share))
+        if out.preempted:  # a preempted stream's decode was counted when the share was sized: it only loosens
+            target = max(target, out.target_time or 0.0)
         predicted = self.cost.predict(StepShape.from_chunks(out.chunks))
         prompts = [c for c in out.chunks if not c.is_decode]
         one_block = len(prompts) == 1 and prompts[0].num_tokens <= self.bs
@@ -234,6 +239,22 @@ def test_one_block_goes_in_where_none_fits():
     assert chunks(out) == [("chat", 3, 1), ("long", 0, 4)] and out.predicted_time == pytest.approx(0.006)
     assert chunks(sim.step()) == [("chat", 4, 1), ("long", 4, 4)]
     assert ids(sim.sched.waiting) == ["short"]  # the one block per step went to the prompt ahead of it
+
+
+def test_prompts_keep_a_share_where_decodes_alone_take_the_target_up():
+    """Eight streams take 9 ms alone against a 2 ms target: with min_prompt_share 0.5 the step may take 18 ms (two
+    blocks of prompt fit, 17 ms); strictly (share 0), one block a step."""
+    def second_step(share: float):
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2,
+                  min_prompt_share=share)
+        for i in range(8):
+            sim.add(f"s{i}", [5, 6, 7 + i], 4)
+        sim.step()
+        sim.add("long", list(range(30, 70)), 1)
+        out = sim.step()
+        return [c.num_tokens for c in out.chunks if not c.is_decode], out.target_time
+    assert second_step(0.5) == ([8], pytest.approx(0.018))
+    assert second_step(0.0) == ([4], pytest.approx(0.002))
 
 
 def test_the_tightest_decoding_lane_sets_the_target():
@@ -449,11 +470,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         cap=st.one_of(st.none(), st.integers(1, 8)),
         target_ms=st.one_of(st.none(), st.floats(0.5, 40)),
         share=st.sampled_from([0.0, 0.5, 1.0]),
+        prompt_share=st.sampled_from([0.0, 0.5, 0.9]),
         # a fixed cost profile (ms per step, per prompt token, per pair, per decode, per context token, per row)
         cost=st.one_of(st.none(), st.tuples(*(st.floats(0, hi) for hi in (5, 2, 0.05, 2, 0.1, 1)))),
     )
     def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap, target_ms,
-              share, cost):
+              share, prompt_share, cost):
         max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
         if not chunked:
             budget = max(budget, max_len)  # as LLMEngine does
@@ -461,7 +483,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sim = Sim(num_blocks, block_size, caching, cost_model=model, max_num_batched_tokens=budget,
                        max_num_seqs=max_num_seqs, max_model_len=max_len, enable_chunked_prefill=chunked,
                        scheduling_policy=policy, max_prefill_tokens_while_decoding=cap, target_step_ms=target_ms,
-                       itl_objective_share=share)
+                       itl_objective_share=share, min_prompt_share=prompt_share)
         self.max_len = max_len
         self.bases = bases
         self.n = 0

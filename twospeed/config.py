@@ -97,6 +97,10 @@ class SchedulerConfig:
     # Share of a lane's ITL objective (Request.itl_target, set by the server from --slo) a step may take in its
     # place; the rest absorbs prediction error and the time around the step (sampling, streaming). 0: ignore them.
     itl_objective_share: float = 0.8
+    # Share of a step's time prompt chunks keep even where decodes alone use the target up (many streams, a slow
+    # machine): the step may then take (decodes' predicted time) / (1 - share), so prompts still advance at a
+    # fair rate and their TTFT does not explode under load. 0: the target strictly (then one block a step).
+    min_prompt_share: float = 0.5
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # tokens (prompt + output) one request may hold; None = the model's limit
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
@@ -113,6 +117,8 @@ class SchedulerConfig:
             raise ValueError(f"target_step_ms must be >= 0 (or None), got {self.target_step_ms}")
         if not 0 <= self.itl_objective_share <= 1:
             raise ValueError(f"itl_objective_share must be in [0, 1], got {self.itl_objective_share}")
+        if not 0 <= self.min_prompt_share < 1:
+            raise ValueError(f"min_prompt_share must be in [0, 1), got {self.min_prompt_share}")
 
     @property
     def target_step_time(self) -> float | None:

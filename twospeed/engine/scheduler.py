@@ -13,8 +13,11 @@ engine/cost_model.py) stays within the step target, the tightest of the
 decoding requests' own (their lane's ITL objective x `itl_objective_share`)
 or `target_step_ms`; a chunk ends on a block boundary where it is cut, so
 the prefix cache sees whole blocks, and where even one block would miss the
-target, one block still goes in (the prompt always advances). Decodes are
-never dropped for it; with nothing decoding a prompt gets the whole budget.
+target, one block still goes in (the prompt always advances). Where decodes
+alone take the target up, the step may stretch to their time / (1 -
+`min_prompt_share`), so prompts keep that share and TTFT does not explode
+under load. Decodes are never dropped for it; with nothing decoding a prompt
+gets the whole budget.
 `max_prefill_tokens_while_decoding` is an explicit cap beside decodes on top.
 
 When the KV pool runs dry, the lowest-priority running request (fcfs: the
@@ -258,8 +261,8 @@ class PromptShare:
         self.block_size = sched.kv.block_size
         self.cap = cfg.max_prefill_tokens_while_decoding if cfg.enable_chunked_prefill else None
         self.decoding = [c.request for c in decodes]
-        self.target = sched.step_target(self.decoding)
-        self.shape = StepShape.from_chunks(decodes)
+        self.decode_shape = self.shape = StepShape.from_chunks(decodes)
+        self.target = self._effective(sched.step_target(self.decoding))
         self.prefill_tokens = 0  # placed this step
         self.time_bound = False  # the target cut or refused a chunk
         self.allowance = self.room(budget)
@@ -277,7 +280,8 @@ class PromptShare:
         if resumes:  # joins only within the cap and the target (its own too): it is a stream again
             if self.cap is not None and self.prefill_tokens > self.cap:
                 return 0
-            target = min((t for t in (self.target, self.sched.step_target([req])) if t is not None), default=None)
+            own = self._effective(self.sched.step_target([req]))
+            target = min((t for t in (self.target, own) if t is not None), default=None)
             if self.prefill_tokens and target is not None and not self._within(start, n, True, req, target):
                 self.time_bound = True
                 return 0
@@ -298,6 +302,13 @@ class PromptShare:
             return ends[lo - 1] - start
         return (ends[0] - start if ends else n) if not self.prefill_tokens else 0  # one block, if the first
 
+    def _effective(self, target: float | None) -> float | None:
+        """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it."""
+        share = self.sched.cfg.min_prompt_share
+        if target is None or not share:
+            return target
+        return max(target, self.sched.cost_model.predict(self.decode_shape) / (1 - share))
+
     def _within(self, start: int, n: int, is_decode: bool, req: Request, target: float) -> bool:
         """The step with this chunk added is predicted within target (a part in 1e9 spared for float rounding)."""
         shape = self.shape.with_chunk(start, n, is_decode, start + n == req.num_tokens)
@@ -310,7 +321,8 @@ class PromptShare:
             self.prefill_tokens += chunk.num_tokens
         elif chunk.request not in self.decoding:  # a stream resumed: the step now carries a decode
             self.decoding.append(chunk.request)
-            self.target = self.sched.step_target(self.decoding)
+            self.decode_shape = self.decode_shape.with_chunk(chunk.start, chunk.num_tokens, True, chunk.samples)
+            self.target = self._effective(self.sched.step_target(self.decoding))
 
     def report(self, out: SchedulerOutput) -> None:
         out.shape = StepShape.from_chunks(out.chunks)
