@@ -162,7 +162,8 @@ def test_nonnegative_solver_matches_brute_force():
         a = rng.normal(size=(int(rng.integers(1, 12)), 6)) * rng.choice([0.1, 1, 10], size=6)
         h, g = a.T @ a + 1e-6 * np.eye(6), rng.normal(size=6) * 3
         warm = list(rng.choice(6, size=int(rng.integers(0, 7)), replace=False))
-        x, _ = _nonnegative_quadratic(h, g, warm)
+        x, _ = _nonnegative_quadratic(h.tolist(), g.tolist(), [int(i) for i in warm])
+        x = np.array(x)
         ref = brute_force(h, g)
         assert (x >= 0).all()
         assert 0.5 * x @ h @ x - g @ x == pytest.approx(0.5 * ref @ h @ ref - g @ ref, rel=1e-7, abs=1e-9)
