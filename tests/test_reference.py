@@ -50,8 +50,8 @@ ENGINE_SETUPS = {
     "chunk-unlimited": dict(max_num_batched_tokens=4096, block_size=16),
     "no-prefix-cache": dict(max_num_batched_tokens=13, enable_prefix_caching=False),
     "one-at-a-time": dict(max_num_seqs=1, max_num_batched_tokens=32),
-    # time-sized prompt share: a target no step can meet, so beside decodes every prompt advances one block a step
-    "time-one-block": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6),
+    # time-sized prompt share, strictly: a target no step can meet, so beside decodes a prompt advances one block a step
+    "time-one-block": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6, min_prompt_share=0.0),
     # the default target with the probe's fit: binding or not as this machine's step times fall
     "time-default": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=50.0),
 }
