@@ -113,7 +113,11 @@ def test_a_groups_itl_target_reaches_its_requests(engine):
     seen = []
 
     async def main():
-        ae = AsyncEngine(engine, on_finish=lambda lane, req, aborted: seen.append(req.itl_target))
+        def listener(event):
+            if isinstance(event, FinishEvent):
+                seen.append(event.request.itl_target)
+
+        ae = AsyncEngine(engine, listeners=[listener])
         ae.start()
         try:
             g = group([5, 6, 7], [8, 9], name="slo")
