@@ -160,12 +160,12 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 
 def cost_model_view(before: dict, after: dict) -> dict | None:
-    err = histogram_delta(before, after, "twospeed:step_time_prediction_error")
+    err = histogram_delta(before, after, "twospeed_step_time_prediction_error")
     if not err:
         return None
     total = err[-1][1]
     within = next((n for le, n in err if le >= 0.1), 0.0)
-    mixed = histogram_delta(before, after, "twospeed:step_time_seconds", kind="mixed")
+    mixed = histogram_delta(before, after, "twospeed_step_time_seconds", kind="mixed")
     return {"steps": total, "within_10pct": within / total if total else None, "p50": quantile(err, 0.5),
             "p99": quantile(err, 0.99), "mixed_steps": mixed[-1][1] if mixed else 0,
             "mixed_step_p99_s": quantile(mixed, 0.99)}
