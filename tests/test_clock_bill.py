@@ -101,6 +101,7 @@ def test_chunked_prefill_spans_steps_while_short_requests_decode(ckpt):
     long = engine.add_request(None, rand_prompt(rng, 60), params(2))
     prefill_steps = 0
     interfered = {r.request_id: 0 for r in shorts}
+    longest = {r.request_id: 0.0 for r in shorts}
     while engine.has_unfinished_requests():
         computed = long.num_computed_tokens
         decode_steps = {r.request_id: r.clock.decode_steps for r in shorts}
@@ -111,6 +112,7 @@ def test_chunked_prefill_spans_steps_while_short_requests_decode(ckpt):
         for r in shorts:
             if r.clock.decode_steps > decode_steps[r.request_id] and stats.num_prefill_tokens > 0:
                 interfered[r.request_id] += 1
+                longest[r.request_id] = max(longest[r.request_id], stats.step_time)
         assert stats.num_prefill_tokens + stats.num_decode_tokens <= 8
 
     assert prefill_steps >= 60 // 8  # budget 8, minus the decodes that went first
@@ -121,7 +123,9 @@ def test_chunked_prefill_spans_steps_while_short_requests_decode(ckpt):
         assert r.clock.decode_steps == 11
         assert r.clock.interfered_steps == interfered[r.request_id] > 0
         assert r.clock.interfered_steps >= prefill_steps - 1  # every later chunk step shared the batch
+        assert r.clock.longest_interfered_step == longest[r.request_id] > 0  # the longest of those steps
     assert long.clock.decode_steps == 1 and long.clock.interfered_steps == 0
+    assert long.clock.longest_interfered_step == 0.0
 
 
 def test_queue_time_when_waiting_for_a_seat(ckpt):

@@ -50,6 +50,10 @@ ENGINE_SETUPS = {
     "chunk-unlimited": dict(max_num_batched_tokens=4096, block_size=16),
     "no-prefix-cache": dict(max_num_batched_tokens=13, enable_prefix_caching=False),
     "one-at-a-time": dict(max_num_seqs=1, max_num_batched_tokens=32),
+    # time-sized prompt share, strictly: a target no step can meet, so beside decodes a prompt advances one block a step
+    "time-one-block": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6, min_prompt_share=0.0),
+    # the default target with the probe's fit: binding or not as this machine's step times fall
+    "time-default": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=50.0),
 }
 
 
@@ -57,10 +61,20 @@ ENGINE_SETUPS = {
 def test_greedy_matches_hf(reference, setup):
     arch, path, _, prompts, expected = reference
     llm = LLM(str(path), skip_tokenizer_init=True, **{"block_size": 8, **ENGINE_SETUPS[setup]})
+    stats, real_step = [], llm.engine.step
+
+    def step():  # keep every step's StepStats
+        outputs = real_step()
+        stats.append(llm.engine.last_stats)
+        return outputs
+    llm.engine.step = step
     outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     for prompt, out, exp in zip(prompts, outs, expected):
         assert out.token_ids == exp, f"{arch}/{setup}: prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length"
+    if setup == "time-one-block":  # the rule did bind: prompt chunks beside decodes were single blocks
+        beside = [s for s in stats if s.num_decode_tokens and s.num_prefill_tokens]
+        assert beside and all(s.time_bound and s.num_prefill_tokens <= 4 for s in beside)
 
 
 def test_prefix_cache_warm_gives_same_tokens(reference):
@@ -122,3 +136,18 @@ def test_bfloat16_matches_hf_within_topk(tmp_path):
                 assert ours in ref.topk(5).indices.tolist()
                 assert theirs in out.logprobs[i].top
                 break
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_sliding_window_matches_hf(tmp_path, backend):
+    """Mistral with an 8-token window, prompts longer than it, chunked beside decodes: the masks the portable path
+    builds from the positions (and the C kernels' own windowing) give HF's greedy tokens."""
+    model = write_hf_checkpoint(tmp_path, "mistral", sliding_window=8)
+    prompts = make_prompts(model.config.vocab_size, seed=2)
+    expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=11,
+              attention_backend=backend)
+    assert llm.engine.model_config.sliding_window == 8
+    outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
+    for prompt, out, exp in zip(prompts, outs, expected):
+        assert out.token_ids == exp, f"{backend}: prompt of {len(prompt)} tokens"

@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from twospeed.config import SchedulerConfig
+from twospeed.engine.cost_model import LinearCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager, hash_block_tokens
 from twospeed.engine.request import Request, RequestStatus
 from twospeed.engine.sampling_params import SamplingParams
@@ -29,13 +32,27 @@ def fake_token(tokens: list[int]) -> int:
     return 3 + (sum(tokens[-3:]) * 7 + len(tokens)) % 50
 
 
+class FakeCost:
+    """A step costs `base` plus `per_token` per token computed (seconds), whatever kind."""
+
+    def __init__(self, base: float = 1e-3, per_token: float = 1e-3):
+        self.base, self.per_token = base, per_token
+
+    def predict(self, shape: StepShape) -> float:
+        return self.base + self.per_token * shape.num_tokens if shape.num_tokens else 0.0
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        pass
+
+
 class Sim:
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, **sched):
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, cost_model=None, **sched):
         self.t = 0.0
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.cfg = SchedulerConfig(**sched)
-        self.sched = Scheduler(self.cfg, self.kv, clock=lambda: self.t)
+        self.cost = cost_model
+        self.sched = Scheduler(self.cfg, self.kv, clock=lambda: self.t, cost_model=cost_model)
         self.slots: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
         self.outputs: list[SchedulerOutput] = []
         self.computed: Counter[str] = Counter()  # tokens computed per request, over all incarnations
@@ -64,6 +81,7 @@ class Sim:
         cap = self.cfg.max_prefill_tokens_while_decoding
         if cap is not None and self.cfg.enable_chunked_prefill and out.num_decode_tokens:
             assert out.num_prefill_tokens <= cap, f"{out.num_prefill_tokens} prefill tokens beside decodes"
+        self.check_step_time(out)
         self.t += 0.5
         self.sched.update_after_step(out, self.t)
         for c in out.chunks:
@@ -74,6 +92,27 @@ class Sim:
                     self.sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
         self.outputs.append(out)
         return out
+
+    def check_step_time(self, out: SchedulerOutput) -> None:
+        """With decodes in the step and a target, the predicted step time is within the tightest decoding request's
+        target, unless the step's prompt share is one chunk of at most a block (the prompt must advance)."""
+        if self.cost is None or not self.cfg.enable_chunked_prefill or not out.num_prefill_tokens:
+            return
+        share, default = self.cfg.itl_objective_share, self.cfg.target_step_time
+        decodes = [c for c in out.chunks if c.is_decode]
+        own = [c.request.itl_target * share if c.request.itl_target is not None and share > 0 else default
+               for c in decodes]
+        target = min((t for t in own if t is not None), default=math.inf)
+        # where decodes alone take the target up, prompts still get min_prompt_share of the step
+        target = max(target, self.cost.predict(StepShape.from_chunks(decodes)) / (1 - self.cfg.min_prompt_share))
+        if out.preempted:  # a preempted stream's decode was counted when the share was sized: it only loosens
+            target = max(target, out.target_time or 0.0)
+        predicted = self.cost.predict(StepShape.from_chunks(out.chunks))
+        prompts = [c for c in out.chunks if not c.is_decode]
+        one_block = len(prompts) == 1 and prompts[0].num_tokens <= self.bs
+        assert predicted <= target * (1 + 1e-9) or one_block, (f"predicted {predicted} over target {target}: "
+                                                          f"{chunks(out)}")
+        assert out.predicted_time == predicted
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
@@ -165,6 +204,86 @@ def test_prefill_cap_beside_decodes():
     sim.run()
     assert all(o.num_prefill_tokens <= 5 for o in sim.outputs[3:] if o.num_decode_tokens)
     assert sim.kv.num_free_blocks == 64
+
+
+def test_prompt_share_sized_by_time_beside_decodes():
+    """A step costs 1 ms + 1 ms per token (FakeCost); the target is 10 ms: beside a decode, a prompt gets the most
+    whole blocks that keep the step within 10 ms; with nothing decoding, the whole budget."""
+    sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=10)
+    chat = sim.add("chat", [5, 6, 7], 6)
+    out = sim.step()
+    assert chunks(out) == [("chat", 0, 3)] and out.target_time is None and not out.time_bound
+    sim.add("long", list(range(30, 70)), 2)  # 40 tokens
+    out = sim.step()  # 1 ms + chat's token + 8 prompt tokens = 10 ms; 12 tokens would be 14 ms
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 8)]
+    assert out.target_time == 0.010 and out.predicted_time == pytest.approx(0.010) and out.time_bound
+    assert out.prefill_budget == 8
+    assert chunks(sim.step()) == [("chat", 4, 1), ("long", 8, 8)]
+    sim.run()
+    assert chat.output_token_ids == expected_output(chat.prompt_token_ids, 6)
+    alone = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=10)
+    alone.add("long", list(range(30, 70)), 2)
+    out = alone.step()
+    assert chunks(out) == [("long", 0, 40)] and out.predicted_time == pytest.approx(0.041)  # nobody waits on it
+    assert out.prefill_budget == 64 and not out.time_bound
+
+
+def test_one_block_goes_in_where_none_fits():
+    """Decodes alone already take the 2 ms target: the first prompt still gets one block, the next none."""
+    sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2)
+    sim.add("chat", [5, 6, 7], 4)
+    sim.step()
+    sim.add("long", list(range(30, 50)), 1)
+    sim.add("short", [8, 9], 1)
+    out = sim.step()
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 4)] and out.predicted_time == pytest.approx(0.006)
+    assert chunks(sim.step()) == [("chat", 4, 1), ("long", 4, 4)]
+    assert ids(sim.sched.waiting) == ["short"]  # the one block per step went to the prompt ahead of it
+
+
+def test_prompts_keep_a_share_where_decodes_alone_take_the_target_up():
+    """Eight streams take 9 ms alone against a 2 ms target: with min_prompt_share 0.5 the step may take 18 ms (two
+    blocks of prompt fit, 17 ms); strictly (share 0), one block a step."""
+    def second_step(share: float):
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2,
+                  min_prompt_share=share)
+        for i in range(8):
+            sim.add(f"s{i}", [5, 6, 7 + i], 4)
+        sim.step()
+        sim.add("long", list(range(30, 70)), 1)
+        out = sim.step()
+        return [c.num_tokens for c in out.chunks if not c.is_decode], out.target_time
+    assert second_step(0.5) == ([8], pytest.approx(0.018))
+    assert second_step(0.0) == ([4], pytest.approx(0.002))
+
+
+def test_the_tightest_decoding_lane_sets_the_target():
+    """Request.itl_target (the server sets it from the lane's ITL objective) x itl_objective_share, the tightest of
+    those decoding; a lane with objectives but none on ITL (inf) does not limit the step."""
+    def run(targets: dict[str, float | None]) -> list:
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=50,
+                  itl_objective_share=0.5)
+        for rid, target in targets.items():
+            sim.add(rid, [5, 6, 7], 6).itl_target = target
+        sim.step()
+        sim.add("long", list(range(30, 70)), 2)
+        out = sim.step()
+        return [chunks(out), out.target_time]
+    decodes = [("a", 3, 1), ("b", 3, 1)]
+    assert run({"a": 0.030, "b": None}) == [decodes + [("long", 0, 12)], 0.015]  # 1 + 2 + 12 ms
+    assert run({"a": 0.030, "b": 0.020}) == [decodes + [("long", 0, 4)], 0.010]  # 7 tokens fit: one block of 4
+    assert run({"a": math.inf, "b": None})[1] == 0.050  # b has no lane SLO: the default
+    assert run({"a": math.inf, "b": math.inf}) == [decodes + [("long", 0, 40)], None]
+
+
+def test_without_a_target_the_share_is_the_budget():
+    sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=16, target_step_ms=None)
+    sim.add("chat", [5, 6, 7], 4)
+    sim.step()
+    sim.add("long", list(range(30, 70)), 1)
+    out = sim.step()
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 15)] and out.target_time is None  # as before this rule
+    assert out.prefill_budget == 15
 
 
 def test_max_num_seqs_and_queue_time():
@@ -349,14 +468,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         bases=st.lists(st.lists(TOKENS, min_size=24, max_size=24), min_size=2, max_size=2),
         cap=st.one_of(st.none(), st.integers(1, 8)),
+        target_ms=st.one_of(st.none(), st.floats(0.5, 40)),
+        share=st.sampled_from([0.0, 0.5, 1.0]),
+        prompt_share=st.sampled_from([0.0, 0.5, 0.9]),
+        # a fixed cost profile (ms per step, per prompt token, per pair, per decode, per context token, per row)
+        cost=st.one_of(st.none(), st.tuples(*(st.floats(0, hi) for hi in (5, 2, 0.05, 2, 0.1, 1)))),
     )
-    def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap):
+    def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap, target_ms,
+              share, prompt_share, cost):
         max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
         if not chunked:
             budget = max(budget, max_len)  # as LLMEngine does
-        self.sim = Sim(num_blocks, block_size, caching, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                       max_model_len=max_len, enable_chunked_prefill=chunked, scheduling_policy=policy,
-                       max_prefill_tokens_while_decoding=cap)
+        model = None if cost is None else LinearCostModel([c / 1e3 for c in cost], online=False)
+        self.sim = Sim(num_blocks, block_size, caching, cost_model=model, max_num_batched_tokens=budget,
+                       max_num_seqs=max_num_seqs, max_model_len=max_len, enable_chunked_prefill=chunked,
+                       scheduling_policy=policy, max_prefill_tokens_while_decoding=cap, target_step_ms=target_ms,
+                       itl_objective_share=share, min_prompt_share=prompt_share)
         self.max_len = max_len
         self.bases = bases
         self.n = 0
@@ -364,13 +491,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.preempted_seen: set[str] = set()
 
     @rule(base=st.integers(0, 1), prefix=st.integers(0, 24), suffix=st.lists(TOKENS, max_size=5),
-          max_tokens=st.integers(1, 12), priority=st.integers(0, 3))
-    def add(self, base, prefix, suffix, max_tokens, priority):
+          max_tokens=st.integers(1, 12), priority=st.integers(0, 3),
+          itl_target=st.one_of(st.none(), st.just(math.inf), st.floats(1e-3, 0.05)))
+    def add(self, base, prefix, suffix, max_tokens, priority, itl_target):
         prompt = (self.bases[base][:prefix] + suffix)[: self.max_len - 1]
         if not prompt:
             return
         max_out = min(max_tokens, self.max_len - len(prompt))  # LLMEngine.add_request's clipping
-        self.sim.add(f"r{self.n}", prompt, max_out, priority)
+        self.sim.add(f"r{self.n}", prompt, max_out, priority).itl_target = itl_target
         self.n += 1
 
     @rule(data=st.data())

@@ -220,6 +220,7 @@ def test_usage_cached_tokens_and_twospeed_object(server):
     for key in ("queue_ms", "prefill_ms", "ttft_ms", "tpot_ms", "ttlt_ms"):
         assert clock[key] >= 0
     assert set(clock["itl_ms"]) == {"p50", "p99", "max"}
+    assert (clock["longest_interfered_step_ms"] > 0) == (clock["interfered_steps"] > 0)
     assert clock["ttft_ms"] >= clock["queue_ms"] + clock["prefill_ms"] - 1e-3
     assert clock["ttlt_ms"] >= clock["ttft_ms"]
     timing = dict(re.findall(r"(\w+);dur=([\d.]+)", second.headers["server-timing"]))
@@ -413,11 +414,17 @@ def test_lanes_and_slo_verdicts(server):
         assert r.status_code == 200, r.text
         return r.json()["twospeed"]
 
+    def step_target() -> float:  # the target of the last step that carried decodes (set before its outputs go)
+        return metric_sum(scrape(server.base), "twospeed_step_target_seconds")
+
     assert post()["lane"] == "default"
+    assert step_target() == pytest.approx(0.050)  # no lane SLO: --target-step-ms's default
     drafting = post(lane_header="drafting")
     assert drafting["lane"] == "drafting" and drafting["slo"]["met"] is True
+    assert step_target() == pytest.approx(10 * 0.8)  # its itl_p99=10s x itl_objective_share
     strict = post(lane_body="strict", lane_header="drafting")  # the body wins over the header
     assert strict["lane"] == "strict"
+    assert step_target() == 0.0  # an SLO with no ITL objective: steps beside it are not sized by time
     assert strict["slo"]["met"] is False and strict["slo"]["missed"] == ["ttft"]
     assert strict["slo"]["cause"] in ("queue", "prefill")
 
@@ -435,7 +442,9 @@ METRIC_NAMES = {  # the names README lists, and nothing else
     "twospeed_kv_cache_cached_blocks": "gauge", "twospeed_engine_step_failures_total": "counter",
     "twospeed_forced_tokens_total": "counter", "twospeed_recomputed_tokens_total": "counter",
     "twospeed_goodput_tokens_total": "counter", "twospeed_kv_cache_num_blocks": "gauge",
-    "twospeed_kv_cache_block_bytes": "gauge", "twospeed_price_per_million_tokens": "gauge"}
+    "twospeed_kv_cache_block_bytes": "gauge", "twospeed_price_per_million_tokens": "gauge",
+    "twospeed_step_time_seconds": "histogram", "twospeed_step_time_prediction_error": "histogram",
+    "twospeed_step_prefill_budget_tokens": "histogram", "twospeed_step_target_seconds": "gauge"}
 
 
 def test_metric_names_types_and_labels(server):
@@ -447,6 +456,10 @@ def test_metric_names_types_and_labels(server):
     m = parse_metrics(text)
     assert all(dict(ls).get("model") == "demo" for _, ls in m)
     assert {dict(ls)["kind"] for n, ls in m if n == "twospeed_step_tokens_count"} <= {"prefill", "decode"}
+    assert {dict(ls)["kind"] for n, ls in m if n == "twospeed_step_time_seconds_count"} == {"prefill", "decode",
+                                                                                         "mixed"}
+    assert {dict(ls)["bound"] for n, ls in m if n == "twospeed_step_prefill_budget_tokens_count"} == {"time",
+                                                                                                   "tokens"}
     assert all("lane" in dict(ls) for n, ls in m if n.startswith("twospeed_time_to_first_token"))
 
 
@@ -486,6 +499,12 @@ def test_metrics_match_the_responses(server):
     assert delta("twospeed_forced_tokens_total") == delta("twospeed_recomputed_tokens_total") == 0
     assert delta("twospeed_step_tokens_count", kind="decode") > 0
     assert delta("twospeed_step_tokens_count", kind="prefill") > 0
+    # every step with work is timed once, under the kind its tokens say, and its prediction judged once
+    steps = {k: delta("twospeed_step_time_seconds_count", kind=k) for k in ("decode", "prefill", "mixed")}
+    assert steps["decode"] + steps["mixed"] == delta("twospeed_step_tokens_count", kind="decode")
+    assert steps["prefill"] + steps["mixed"] == delta("twospeed_step_tokens_count", kind="prefill")
+    assert delta("twospeed_step_time_prediction_error_count") == sum(steps.values())
+    assert delta("twospeed_step_time_seconds_sum") > 0
     assert metric_sum(after, "twospeed_kv_cache_cached_blocks") > 0
     assert all(dict(ls).get("model") == "demo" for n, ls in after if n.startswith("twospeed_"))
 

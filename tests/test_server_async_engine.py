@@ -108,6 +108,31 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
     assert idle(engine)
 
 
+def test_a_groups_itl_target_reaches_its_requests(engine):
+    """The lane's tightest ITL objective travels with every sequence of the group to the scheduler."""
+    seen = []
+
+    async def main():
+        def listener(event):
+            if isinstance(event, FinishEvent):
+                seen.append(event.request.itl_target)
+
+        ae = AsyncEngine(engine, listeners=[listener])
+        ae.start()
+        try:
+            g = group([5, 6, 7], [8, 9], name="slo")
+            g.itl_target = 0.06
+            await ae.add(g)
+            await finish(g)
+        finally:
+            await ae.shutdown()
+
+    asyncio.run(main())
+    assert seen == [0.06, 0.06]
+    with pytest.raises(ValueError, match="itl_target"):
+        engine.add_request("bad-target", [5, 6], SamplingParams(max_tokens=2), itl_target=0.0)
+
+
 def test_a_builder_runs_in_the_engine_thread_and_its_failure_reaches_ready():
     """The engine is built in the thread that steps it (one OpenMP pool: see async_engine's docstring)."""
     built_in = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from twospeed.engine.request import Bill, Clock
@@ -50,6 +52,14 @@ def test_flag():
 def test_bad_flags(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_slo_flag(spec)
+
+
+def test_a_lanes_itl_target_is_its_tightest_itl_objective():
+    """What the server hands the scheduler with each request (Request.itl_target)."""
+    assert parse_slo_flag("chat:ttft_p99=1s,itl_p99=100ms,itl=300ms").itl_target == pytest.approx(0.1)
+    assert parse_slo_flag("nightly:ttlt=30s").itl_target == math.inf  # objectives, none on ITL: no limit
+    assert LaneSLO("default").itl_target is None  # no SLO: the engine's default target
+    assert parse_slo_flag("batch:priority=3").itl_target is None
 
 
 def test_yaml_file(tmp_path):

@@ -89,6 +89,18 @@ class SchedulerConfig:
     # Prompt tokens (prefill chunks) a step may carry beside decodes, with chunked prefill; None = whatever the
     # budget leaves. A step's time grows with its prefill tokens, and every running stream waits for the step.
     max_prefill_tokens_while_decoding: int | None = None
+    # Seconds a step may take (predicted by the engine's cost model, engine/cost_model.py), in milliseconds, while
+    # streams are decoding: prompt chunks beside decodes get the most tokens that fit, so a long prompt stretches
+    # no stream's token gap past it; with nothing decoding a prompt gets the whole token budget. 50 ms keeps a
+    # decode lane near 50 ms per token under load on a 2-core CPU. None or 0: steps sized by tokens only.
+    target_step_ms: float | None = 50.0
+    # Share of a lane's ITL objective (Request.itl_target, set by the server from --slo) a step may take in its
+    # place; the rest absorbs prediction error and the time around the step (sampling, streaming). 0: ignore them.
+    itl_objective_share: float = 0.8
+    # Share of a step's time prompt chunks keep even where decodes alone use the target up (many streams, a slow
+    # machine): the step may then take (decodes' predicted time) / (1 - share), so prompts still advance at a
+    # fair rate and their TTFT does not explode under load. 0: the target strictly (then one block a step).
+    min_prompt_share: float = 0.5
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # tokens (prompt + output) one request may hold; None = the model's limit
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
@@ -101,6 +113,17 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
         if (self.max_prefill_tokens_while_decoding or 1) < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1 (or None)")
+        if self.target_step_ms is not None and not self.target_step_ms >= 0:
+            raise ValueError(f"target_step_ms must be >= 0 (or None), got {self.target_step_ms}")
+        if not 0 <= self.itl_objective_share <= 1:
+            raise ValueError(f"itl_objective_share must be in [0, 1], got {self.itl_objective_share}")
+        if not 0 <= self.min_prompt_share < 1:
+            raise ValueError(f"min_prompt_share must be in [0, 1), got {self.min_prompt_share}")
+
+    @property
+    def target_step_time(self) -> float | None:
+        """target_step_ms in seconds; None when off."""
+        return self.target_step_ms / 1e3 if self.target_step_ms else None
 
     @property
     def token_budget(self) -> int:
@@ -121,6 +144,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in and out only
     linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernel, else oneDNN-packed), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
+    # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
+    # False starts from a roofline guess, which the engine's own steps then correct.
+    cost_probe: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -10,6 +10,10 @@ No request can fail another: admission.py refuses a bad field before anything is
 allocated, and if running or sampling a step raises anyway, isolation.py finds the
 request(s) that caused it; only those finish with status "error" (their `error`
 names the exception), the others get their tokens as if nothing happened.
+
+The step cost model (`cost_model`, seeded at start-up by engine/cost_probe.py)
+learns each step's measured time, so the scheduler's time-sized prompt share
+follows this machine.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import torch
 from twospeed.config import DTYPES, EngineConfig
 from twospeed.engine.admission import ModelLimits, check_params, check_prompt
 from twospeed.engine.isolation import execute_isolating, sample_isolating
+from twospeed.engine.cost_model import LinearCostModel
+from twospeed.engine.cost_probe import probe, roofline_prior
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
 from twospeed.engine.runner import ModelRunner, num_blocks_for
 from twospeed.engine.sampler import Sampler
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.engine.scheduler import Scheduler
+from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,10 @@ class StepStats:
     kv_blocks_used: int
     kv_blocks_total: int
     kv_cached_blocks: int
+    predicted_time: float | None = None  # seconds the cost model predicted for the step
+    target_time: float | None = None  # seconds the prompt share was sized to (None: not sized by time)
+    prefill_budget: int = 0  # prompt tokens the step allowed (scheduler.SchedulerOutput.prefill_budget)
+    time_bound: bool = False  # the target, not the token budget, set the prompt share
 
 
 def resolve_model_path(model: str) -> Path:
@@ -92,9 +102,14 @@ class LLMEngine:
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
+        # Step time from the step's shape, per device and dtype; the probe times a few real steps to seed it.
+        self.cost_model = LinearCostModel(roofline_prior(self.model_config, self.dtype, self.device),
+                                          key=f"{self.device.type}/{str(self.dtype).removeprefix('torch.')}")
+        if config.cost_probe:
+            probe(self.runner, self.kv, self.sampler, self.cost_model, max_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, cost_model=self.cost_model)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -107,8 +122,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0) -> Request:
-        """Validate and queue a request; raises ValueError before anything is allocated if it can never run."""
+                    arrival_time: float | None = None, priority: int = 0, itl_target: float | None = None) -> Request:
+        """Validate and queue a request; raises ValueError before anything is allocated if it can never run.
+        itl_target: seconds, the tightest ITL objective of its lane (Request.itl_target; the server sets it)."""
+        if itl_target is not None and not itl_target > 0:
+            raise ValueError(f"itl_target must be a positive number of seconds (or None), got {itl_target}")
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -127,6 +145,7 @@ class LLMEngine:
                       eos_token_ids=self.eos_token_ids,
                       max_output_tokens=min(params.max_tokens or room, room))
         req.grammar = grammar
+        req.itl_target = itl_target
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         if self.tokenizer is not None:
@@ -200,12 +219,15 @@ class LLMEngine:
                 outputs.append(self._output(req))
         self.num_step_failures += bool(errored)
         end = time.monotonic()
+        if not errored:  # a failed step's time went into isolating the failure: it says nothing of the shape
+            self._learn_step(out, end - start)
         self.last_stats = StepStats(
             time=end, step_time=end - start, num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_preempted=len(out.preempted),
             kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
-            kv_cached_blocks=self.kv.num_cached_blocks)
+            kv_cached_blocks=self.kv.num_cached_blocks, predicted_time=out.predicted_time,
+            target_time=out.target_time, prefill_budget=out.prefill_budget, time_bound=out.time_bound)
         return outputs
 
     def _update(self, req: Request, token: int, lp, now: float) -> None:
@@ -228,6 +250,16 @@ class LLMEngine:
             req.error = f"the engine failed this request while {doing}: {type(e).__name__}: {e}"
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
         return list(failed)
+
+    def _learn_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The cost model learns the step's time; each stream that shared it with a prompt chunk notes its length."""
+        if not out.chunks:
+            return
+        self.cost_model.observe(out.shape, seconds)
+        if out.num_prefill_tokens:
+            for c in out.chunks:
+                if c.is_decode:
+                    c.request.clock.longest_interfered_step = max(c.request.clock.longest_interfered_step, seconds)
 
     def _jump_forward(self, req: Request, now: float) -> None:
         """Append the tokens the grammar forces (its mask allows one token only): no forward pass picks

@@ -43,6 +43,7 @@ class Clock:
     finished: float | None = None
     decode_steps: int = 0  # steps that computed one of its decode tokens
     interfered_steps: int = 0  # of those, steps that also ran another request's prefill chunk
+    longest_interfered_step: float = 0.0  # seconds: the longest of those steps (schedule to sample)
 
     @property
     def queue_time(self) -> float | None:
@@ -135,6 +136,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        # Seconds: the tightest ITL objective of the request's lane (the server sets it from --slo); None = the
+        # scheduler's default step target; math.inf = its lane has objectives, none of them on ITL.
+        self.itl_target: float | None = None
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

@@ -14,14 +14,14 @@ import torch
 from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.scheduler import ScheduledChunk
-from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, causal_mask,
-                                      decode_mask)
+from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from twospeed.model.llama import LlamaForCausalLM
 
 GiB = 1 << 30
 # Multi-token chunks this short run through the decode path of the attention: per layer, a 2-token chunk on a
 # 2300-token context costs 0.32 ms either way, 1 token 0.15 ms as a decode against 0.35 ms through the prefill
-# kernel (which transposes the context's V), 8 tokens 0.87 ms against 0.51 ms (benchmarks in BENCHMARKS.md).
+# kernel (whose 16-row tasks are mostly empty lanes for so few rows), 8 tokens 0.87 ms against 0.51 ms
+# (BENCHMARKS.md, measured before the kernel stopped transposing the whole context's V each call).
 SHORT_CHUNK = 2
 
 
@@ -70,52 +70,53 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                                 num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1))
+                                 num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1),
+                                 sliding_window=self.sliding_window)
         d = meta.num_decode_tokens
         context_lens = [c.start + 1 for c in ordered[:d]]
         for lo, hi in decode_groups(context_lens):
             meta.decodes.append(self._decode_group(lo, tables[lo:hi], context_lens[lo:hi]))
         offset = d
-        span_tables = []
+        spans: list[tuple[int, ScheduledChunk, list[int]]] = []  # (first row, chunk, its block table)
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
+            table = table[: -(-ctx // bs)]
             if c.num_tokens <= SHORT_CHUNK:
                 # A token or two on a context (a grammar-forced token, a one-token prompt or last chunk): attend
                 # as that many decodes, query i at position start + i over its own prefix. A prefill pass would
-                # sweep (the fast kernel: transpose) the whole context's V for them, every layer.
-                meta.decodes.append(self._decode_group(offset, [table[: -(-ctx // bs)]] * c.num_tokens,
+                # sweep the whole context's V for them, every layer.
+                meta.decodes.append(self._decode_group(offset, [table] * c.num_tokens,
                                                        list(range(c.start + 1, ctx + 1))))
-                offset += c.num_tokens
-                continue
-            span_tables.append(table[: -(-ctx // bs)])
-            meta.prefills.append(PrefillSpan(
-                start=offset, num_tokens=c.num_tokens, context_len=ctx,
-                block_table=torch.tensor(span_tables[-1], dtype=torch.int64, device=dev),
-                mask=causal_mask(c.num_tokens, ctx, self.sliding_window, dev)))
+            else:
+                spans.append((offset, c, table))
             offset += c.num_tokens
-        if meta.prefills:
-            width = max(len(t) for t in span_tables)
-            spans = meta.prefills
+        if spans:
+            # One padded table for the kernels that take every span in one call; each span's own is a row of it.
+            # Masks are left to the portable path, which builds them on first use (the C kernels need none).
+            block_tables = _padded([t for _, _, t in spans], dev)
+            meta.prefills = [PrefillSpan(start=o, num_tokens=c.num_tokens, context_len=c.start + c.num_tokens,
+                                         block_table=block_tables[i, :len(t)]) for i, (o, c, t) in enumerate(spans)]
             meta.prefill_batch = PrefillBatch(
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in span_tables], dtype=torch.int64,
-                                          device=dev),
-                q_start=torch.tensor([p.start for p in spans], dtype=torch.int64, device=dev),
-                q_len=torch.tensor([p.num_tokens for p in spans], dtype=torch.int64, device=dev),
-                context_len=torch.tensor([p.context_len for p in spans], dtype=torch.int64, device=dev))
+                block_tables=block_tables,
+                q_start=torch.tensor([p.start for p in meta.prefills], dtype=torch.int64, device=dev),
+                q_len=torch.tensor([p.num_tokens for p in meta.prefills], dtype=torch.int64, device=dev),
+                context_len=torch.tensor([p.context_len for p in meta.prefills], dtype=torch.int64, device=dev))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
         return logits, [c for c in ordered if c.samples]
 
     def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-        """Single-query rows [start, start + len(lens)): block tables padded to the longest, their mask."""
-        width = max(len(t) for t in tables)
-        dev = self.device
-        return DecodeGroup(
-            start=start, num_tokens=len(lens),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev),
-            mask=decode_mask(lens, width * self.block_size, self.sliding_window, dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev))
+        """Single-query rows [start, start + len(lens)): block tables padded to the longest (the portable path
+        builds the group's mask from seq_lens when it needs one)."""
+        return DecodeGroup(start=start, num_tokens=len(lens), block_tables=_padded(tables, self.device),
+                           seq_lens=torch.tensor(lens, dtype=torch.int64, device=self.device))
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[n, longest] int64 block tables, padded with block 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=device)
 
 
 def decode_groups(context_lens: list[int], max_padding: float = 1.25) -> list[tuple[int, int]]:

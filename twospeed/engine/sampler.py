@@ -97,14 +97,22 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(generator=self.generator)
+            noise[unseeded] = _exponential(torch.rand(len(unseeded), vocab, device=probs.device,
+                                                      generator=self.generator))
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                noise[i] = _exponential(torch.rand(vocab, device=probs.device, generator=r.generator))
         return (probs / noise).argmax(dim=-1)
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def _exponential(uniform: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise as -log(U), in place: torch's CPU exponential_ took 24 ms for 16 rows of a 32k vocabulary,
+    rand + log 2.5 ms (one thread; that was a sampled decode step's largest cost). U = 0 gives inf: that token
+    loses the race, as its Exp(1) draw would almost surely."""
+    return uniform.log_().neg_()
 
 
 def _logprob(lp: torch.Tensor, token_id: int, n: int) -> Logprob:

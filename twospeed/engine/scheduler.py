@@ -4,26 +4,40 @@ Every request has `num_computed_tokens` of `num_tokens`. Each step fills a
 budget of `max_num_batched_tokens`: running decodes first (one token each),
 then running requests whose prompt is being chunked (they take what is left),
 then waiting requests in policy order, each starting at its prefix-cache hit.
-With `max_prefill_tokens_while_decoding`, a step that carries decodes gives
-prompt chunks at most that many tokens, so a long prompt stretches the gap
-between two tokens of a running stream by a short chunk only. There is no
-prefill phase and no decode phase: chunked prefill, prefix hits and recompute
-after preemption all fall out of the same loop. When the KV pool runs dry,
-the lowest-priority running request (fcfs: the latest to arrive) is preempted:
-its blocks are freed, it waits again, and later recomputes its prompt and the
-tokens it already produced. Bookkeeping only: no torch here, so the planner
-can drive it with a cost model in place of the model.
+There is no prefill phase and no decode phase: chunked prefill, prefix hits
+and recompute after preemption all fall out of the same loop.
+
+The prompt share of a step is sized by time: with streams decoding, prompt
+chunks get the most tokens whose predicted step time (a `StepCostModel`,
+engine/cost_model.py) stays within the step target, the tightest of the
+decoding requests' own (their lane's ITL objective x `itl_objective_share`)
+or `target_step_ms`; a chunk ends on a block boundary where it is cut, so
+the prefix cache sees whole blocks, and where even one block would miss the
+target, one block still goes in (the prompt always advances). Where decodes
+alone take the target up, the step may stretch to their time / (1 -
+`min_prompt_share`), so prompts keep that share and TTFT does not explode
+under load. Decodes are never dropped for it; with nothing decoding a prompt
+gets the whole budget.
+`max_prefill_tokens_while_decoding` is an explicit cap beside decodes on top.
+
+When the KV pool runs dry, the lowest-priority running request (fcfs: the
+latest to arrive) is preempted: its blocks are freed, it waits again, and
+later recomputes its prompt and the tokens it already produced. Bookkeeping
+only: no torch and no wall clock of its own (the clock is passed in), so the
+planner can drive it with a cost model in place of the model.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from twospeed.config import SchedulerConfig
+from twospeed.engine.cost_model import StepCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request, RequestStatus
 
@@ -50,6 +64,12 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)  # what the chunks compute, as the cost model sees it
+    predicted_time: float | None = None  # seconds the cost model predicts for the step (None without one)
+    target_time: float | None = None  # seconds the step was sized to (None: not sized by time)
+    prefill_budget: int = 0  # prompt tokens the step allowed: the time-sized share where time bound, else the
+    # token room for prompts (the budget left after decodes, within the cap)
+    time_bound: bool = False  # the step target, not the token budget, set the prompt share
 
     @property
     def num_decode_tokens(self) -> int:
@@ -65,10 +85,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 cost_model: StepCostModel | None = None):
         self.cfg = cfg
         self.kv = kv
         self.clock = clock
+        self.cost_model = cost_model  # None: steps sized by tokens only
         self.waiting: list[Request] = []  # kept sorted by _order
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -123,7 +145,7 @@ class Scheduler:
         scheduled: dict[str, ScheduledChunk] = {}
 
         # Decodes first: a stream's next token never waits behind a long prompt that is being chunked.
-        # Then prompt chunks of running requests (within the cap when decodes run), then waiting requests.
+        # Then prompt chunks of running requests, then waiting requests, within the prompt share.
         decodes = [r for r in self.running if _in_decode(r)]
         prompts = [r for r in self.running if not _in_decode(r)]
         for req in decodes:
@@ -132,29 +154,31 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:  # not preempted by an earlier one of this loop
                 n, freed = self._place(req, budget, scheduled, out)
                 budget += freed - n
-        cap = self.cfg.max_prefill_tokens_while_decoding if self.cfg.enable_chunked_prefill else None
-        prefill_budget = budget if cap is None or not scheduled else min(budget, cap)
+        share = PromptShare(self, list(scheduled.values()), budget)
         for req in prompts:
-            if min(budget, prefill_budget) <= 0:
+            if share.room(budget) <= 0:
                 break
             if req.status == RequestStatus.RUNNING:
-                n, freed = self._place(req, min(budget, prefill_budget), scheduled, out)
+                n = share.fit(req, req.num_computed_tokens, budget)
+                if n <= 0:
+                    break
+                n, freed = self._place(req, n, scheduled, out)
                 budget += freed - n
-                prefill_budget -= n
+                if n:
+                    share.add(scheduled[req.request_id])
         # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
         out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
 
-        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.cfg.max_num_seqs
+        while (self.waiting and share.room(budget) > 0 and len(self.running) < self.cfg.max_num_seqs
                and not out.preempted):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req.all_token_ids)
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
-            room = min(budget, prefill_budget)
-            if not self.cfg.enable_chunked_prefill and n > room:
+            if not self.cfg.enable_chunked_prefill and n > share.room(budget):
                 break
-            n = min(n, room)
-            if not self.kv.allocate_slots(req.request_id, num_cached + n, cached):
+            n = share.fit(req, num_cached, budget, resumes=ScheduledChunk(req, num_cached, n).is_decode)
+            if n <= 0 or not self.kv.allocate_slots(req.request_id, num_cached + n, cached):
                 break
             self.waiting.pop(0)
             self.running.append(req)
@@ -165,12 +189,24 @@ class Scheduler:
                 self.prefix_queries += req.num_prompt_tokens
                 self.prefix_hits += min(num_cached, req.num_prompt_tokens)
             _bill_cache_hit(req, num_cached)
-            out.chunks.append(ScheduledChunk(req, num_cached, n))
+            chunk = ScheduledChunk(req, num_cached, n)
+            out.chunks.append(chunk)
+            share.add(chunk)
             budget -= n
-            prefill_budget -= n
         for chunk in out.chunks:
             _bill_chunk(chunk)
+        share.report(out)
         return out
+
+    def step_target(self, decoding: list[Request]) -> float | None:
+        """Seconds a step may take with these requests decoding: the tightest of each one's own target (its lane's
+        ITL objective x itl_objective_share, else target_step_ms); None = not sized by time."""
+        if self.cost_model is None or not decoding or not self.cfg.enable_chunked_prefill:
+            return None
+        default, share = self.cfg.target_step_time, self.cfg.itl_objective_share
+        own = [r.itl_target * share if r.itl_target is not None and share > 0 else default for r in decoding]
+        target = min((t for t in own if t is not None), default=None)
+        return None if target is None or math.isinf(target) else target
 
     def _place(self, req: Request, room: int, scheduled: dict[str, ScheduledChunk],
                out: SchedulerOutput) -> tuple[int, int]:
@@ -212,6 +248,89 @@ class Scheduler:
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if req.clock.prefill_done is None and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.clock.prefill_done = now
+
+
+class PromptShare:
+    """How many prompt tokens the rest of a step may take: the token budget; beside decodes, the cap and the step
+    target (the step's predicted time within it; a chunk cut by it ends on a block boundary; a first chunk that
+    cannot fit even one block gets one block)."""
+
+    def __init__(self, sched: Scheduler, decodes: list[ScheduledChunk], budget: int):
+        cfg = sched.cfg
+        self.sched = sched
+        self.block_size = sched.kv.block_size
+        self.cap = cfg.max_prefill_tokens_while_decoding if cfg.enable_chunked_prefill else None
+        self.decoding = [c.request for c in decodes]
+        self.decode_shape = self.shape = StepShape.from_chunks(decodes)
+        self.target = self._effective(sched.step_target(self.decoding))
+        self.prefill_tokens = 0  # placed this step
+        self.time_bound = False  # the target cut or refused a chunk
+        self.allowance = self.room(budget)
+
+    def room(self, budget: int) -> int:
+        """Tokens the budget and the cap leave for prompt chunks."""
+        if self.cap is not None and self.decoding:
+            return min(budget, self.cap - self.prefill_tokens)
+        return budget
+
+    def fit(self, req: Request, start: int, budget: int, resumes: bool = False) -> int:
+        """Tokens of req from position start this step can take (0: none). resumes: its chunk is a decode (a
+        preempted stream whose KV is all in the prefix cache again)."""
+        n = min(req.num_tokens - start, self.room(budget))
+        if resumes:  # joins only within the cap and the target (its own too): it is a stream again
+            if self.cap is not None and self.prefill_tokens > self.cap:
+                return 0
+            own = self._effective(self.sched.step_target([req]))
+            target = min((t for t in (self.target, own) if t is not None), default=None)
+            if self.prefill_tokens and target is not None and not self._within(start, n, True, req, target):
+                self.time_bound = True
+                return 0
+            return n
+        if n <= 0 or self.target is None or self._within(start, n, False, req, self.target):
+            return max(n, 0)
+        self.time_bound = True
+        bs = self.block_size
+        ends = range((start // bs + 1) * bs, start + n, bs)  # block boundaries inside the chunk
+        lo, hi = 0, len(ends)  # the last end that fits is ends[lo - 1] (none when lo == 0)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._within(start, ends[mid] - start, False, req, self.target):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo:
+            return ends[lo - 1] - start
+        return (ends[0] - start if ends else n) if not self.prefill_tokens else 0  # one block, if the first
+
+    def _effective(self, target: float | None) -> float | None:
+        """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it."""
+        share = self.sched.cfg.min_prompt_share
+        if target is None or not share:
+            return target
+        return max(target, self.sched.cost_model.predict(self.decode_shape) / (1 - share))
+
+    def _within(self, start: int, n: int, is_decode: bool, req: Request, target: float) -> bool:
+        """The step with this chunk added is predicted within target (a part in 1e9 spared for float rounding)."""
+        shape = self.shape.with_chunk(start, n, is_decode, start + n == req.num_tokens)
+        return self.sched.cost_model.predict(shape) <= target * (1 + 1e-9)
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        """A chunk was placed."""
+        self.shape = self.shape.with_chunk(chunk.start, chunk.num_tokens, chunk.is_decode, chunk.samples)
+        if not chunk.is_decode:
+            self.prefill_tokens += chunk.num_tokens
+        elif chunk.request not in self.decoding:  # a stream resumed: the step now carries a decode
+            self.decoding.append(chunk.request)
+            self.decode_shape = self.decode_shape.with_chunk(chunk.start, chunk.num_tokens, True, chunk.samples)
+            self.target = self._effective(self.sched.step_target(self.decoding))
+
+    def report(self, out: SchedulerOutput) -> None:
+        out.shape = StepShape.from_chunks(out.chunks)
+        out.target_time = self.target
+        model = self.sched.cost_model
+        out.predicted_time = model.predict(out.shape) if model is not None else None
+        out.prefill_budget = self.prefill_tokens if self.time_bound else self.allowance
+        out.time_bound = self.time_bound
 
 
 def _in_decode(req: Request) -> bool:

@@ -3,7 +3,10 @@
 Each later run is set against the first (the baseline): TTFT and ITL (p50, p99; ITL max), gate pass rate, SLO
 attainment, goodput and the bill, with the difference and whether it is beyond the noise: the 95% bootstrap
 intervals of the two percentiles (or Wilson intervals of the two rates) do not overlap. Token counts are
-exact, so they have no noise column. Job lanes add the job's wall time and its parts, tokens per turn, the
+exact, so they have no noise column. Then the trade chunked prefill makes, one row per run (`trade`): the ITL
+p99 and max of the decode lanes against the TTFT p99 of the long-prompt lane (the one with the most prompt
+tokens per request), beside output tok/s: a step budget sized for the streams stretches the long prompt's
+TTFT, one sized for the prompt stalls the streams. Job lanes add the job's wall time and its parts, tokens per turn, the
 cache hit and job goodput, and a turn-by-turn table (prompt, cached, prefill). Runs of different workloads
 or seeds are refused unless forced; runs that differ only in harness policy (summarized dumps, a stable or
 unstable prefix) compare, and the policy of each is printed.
@@ -98,6 +101,48 @@ def compare(docs: list[dict]) -> dict[str, list[tuple[str, list[Cell]]]]:
     return table
 
 
+def trade(docs: list[dict]) -> tuple[str | None, list[str], list[dict]]:
+    """(the long-prompt lane, the decode lanes, one row per run: {lane: (ITL p99, ITL max) s, long lane: TTFT p99 s,
+    "output_tok_s"}). The long-prompt lane has the most prompt tokens per request in the base run; the decode
+    lanes are the others that streamed (an ITL observed) in every run."""
+    lanes = [name for name in docs[0]["lanes"] if all(name in d["lanes"] for d in docs[1:])]
+
+    def prompt_per_request(lane: str) -> float:
+        s = docs[0]["lanes"][lane]
+        return (_get(s, ("bill", "prompt_tokens")) or 0) / max(1, s.get("requests") or 0)
+
+    if not lanes:
+        return None, [], []
+    long = max(lanes, key=prompt_per_request)
+    decode = [name for name in lanes if name != long
+              and all(_get(d["lanes"][name], ("stats", "itl", "n")) for d in docs)]
+    rows = []
+    for d in docs:
+        row = {name: (_get(d["lanes"][name], ("stats", "itl", "p99")), _get(d["lanes"][name], ("stats", "itl", "max")))
+               for name in decode}
+        row[long] = _get(d["lanes"][long], ("stats", "ttft", "p99"))
+        row["output_tok_s"] = _get(d["total"], ("throughput", "output_tokens_per_s"))
+        rows.append(row)
+    return long, decode, rows
+
+
+def trade_table(docs: list[dict], names: list[str]):
+    from rich.table import Table
+
+    long, decode, rows = trade(docs)
+    table = Table(title=f"the trade: decode lanes' ITL p99 / max against {long}'s TTFT p99 (ms)")
+    table.add_column("run")
+    for name in decode:
+        table.add_column(f"{name} ITL", justify="right")
+    table.add_column(f"{long} TTFT p99", justify="right")
+    table.add_column("output tok/s", justify="right")
+    ms = lambda v: _fmt(None if v is None else v * 1e3, "")  # noqa: E731
+    for name, row in zip(names, rows):
+        table.add_row(name, *(f"{ms(row[n][0])} / {ms(row[n][1])}" for n in decode), ms(row[long]),
+                      _fmt(row["output_tok_s"], ""))
+    return table
+
+
 def _fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
@@ -137,6 +182,8 @@ def print_comparison(docs: list[dict], console) -> None:
         if lane != "all" and all(d["lanes"][lane].get("jobs") for d in docs):
             console.print(turn_table(docs, lane, names))
     console.print("diff: run - base; 'better'/'worse' where the 95% intervals do not overlap, '(noise)' where they do.")
+    if trade(docs)[1]:
+        console.print(trade_table(docs, names))
     for line in policy_lines(docs, names):
         console.print(line, highlight=False)
 

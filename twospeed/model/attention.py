@@ -32,7 +32,9 @@ class PrefillSpan:
     num_tokens: int  # query tokens in this chunk
     context_len: int  # tokens it attends to (cached + earlier chunks + this chunk)
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 block ids
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend; None = plain causal
+    # [num_tokens, context_len] bool, True = attend; None: causal over the positions (and the metadata's sliding
+    # window), built by the portable path on first use: the C kernels derive it from the positions themselves
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -43,8 +45,10 @@ class DecodeGroup:
     start: int  # index of its first token in the flat batch
     num_tokens: int
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
     seq_lens: torch.Tensor  # [n] int64: context length of each (its query sits at position len - 1)
+    # [n, 1, 1, max_blocks * block_size] bool, True = attend; None: from seq_lens (and the metadata's sliding
+    # window), built by the portable path on first use (the C kernels read seq_lens)
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     prefill_batch: PrefillBatch | None = None  # the same spans as `prefills`, batched; None when there are none
+    sliding_window: int | None = None  # tokens a query may look back; None = full (for masks built on demand)
 
 
 def causal_mask(num_tokens: int, context_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -81,9 +86,10 @@ def causal_mask(num_tokens: int, context_len: int, sliding_window: int | None, d
     return mask
 
 
-def decode_mask(seq_lens: list[int], width: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def decode_mask(seq_lens: list[int] | torch.Tensor, width: int, sliding_window: int | None,
+                device: torch.device) -> torch.Tensor:
     """[D, 1, 1, width] mask: key j is visible to a decode query at position len-1."""
-    lens = torch.tensor(seq_lens, device=device)[:, None]
+    lens = torch.as_tensor(seq_lens, device=device)[:, None]
     k_pos = torch.arange(width, device=device)[None, :]
     mask = k_pos < lens
     if sliding_window is not None:
@@ -117,6 +123,9 @@ class TorchPagedAttention:
         g = self.num_heads // self.num_kv_heads
         for group in meta.decodes:
             s, n = group.start, group.num_tokens
+            if group.mask is None:  # built once per step, shared by the layers
+                width = group.block_tables.shape[1] * k_cache.shape[1]
+                group.mask = decode_mask(group.seq_lens, width, meta.sliding_window, q.device)
             # [n * max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]. index_select copies whole blocks (memcpy rows);
             # advanced indexing (k_cache[tables]) took 3-10x longer for the same bytes.
             ids = group.block_tables.view(-1)
@@ -132,6 +141,8 @@ class TorchPagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         for span in meta.prefills:
             s, e = span.start, span.start + span.num_tokens
+            if span.mask is None:  # once per step (stays None for a plain causal chunk from position 0)
+                span.mask = causal_mask(span.num_tokens, span.context_len, meta.sliding_window, q.device)
             if span.context_len == span.num_tokens:
                 kp, vp = k[s:e], v[s:e]  # nothing before this chunk: use the fresh K/V directly
             else:

@@ -87,6 +87,7 @@ class RequestGroup:
     priority: int
     arrival_time: float
     specs: list[SequenceSpec]
+    itl_target: float | None = None  # seconds: the lane's tightest ITL objective (LaneSLO.itl_target)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
 
@@ -254,7 +255,8 @@ class AsyncEngine:
         try:
             for spec in group.specs:
                 req = self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
-                                              arrival_time=group.arrival_time, priority=group.priority)
+                                              arrival_time=group.arrival_time, priority=group.priority,
+                                              itl_target=group.itl_target)
                 self._tracked[spec.request_id] = _Tracked(group, spec, req)
                 added.append(spec.request_id)
         except Exception as e:  # ValueError for bad input; anything else is also this request's problem only

@@ -42,8 +42,12 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, *geometric_buckets(0.01, 30.0, 25), 60.0, 
 ITL_BUCKETS = (0.0005, 0.001, *geometric_buckets(0.002, 1.0, 25), 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 PHASE_BUCKETS = (*geometric_buckets(0.001, 1000.0, 10), 2560.0)  # queue, prefill, decode, e2e: x1.26
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_TIME_BUCKETS = (*geometric_buckets(0.001, 10.0, 10), 30.0)  # one engine step: x1.26
+ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)  # |predicted - measured| / measured
 PROMPT_KINDS = ("cached", "prefilled")
 STEP_KINDS = ("prefill", "decode")
+STEP_TIME_KINDS = ("decode", "prefill", "mixed")  # mixed: prompt chunks beside decodes, the steps streams wait on
+BUDGET_BOUNDS = ("time", "tokens")
 FAULT_SCOPES = ("request", "step")
 
 
@@ -67,6 +71,18 @@ class ServerMetrics:
         self.e2e = hist("twospeed_e2e_request_latency_seconds", "finished - arrival (ttlt), per sequence")
         self.step_tokens = hist("twospeed_step_tokens", "tokens computed in one engine step, by kind",
                                 STEP_TOKEN_BUCKETS, ("kind", "model"))
+        self.step_time = hist("twospeed_step_time_seconds",
+                              "one engine step's measured time, by kind (decode, prefill, or mixed: both)",
+                              STEP_TIME_BUCKETS, ("kind", "model"))
+        self.step_error = hist("twospeed_step_time_prediction_error",
+                               "|predicted - measured| / measured step time of the step cost model, per step",
+                               ERROR_BUCKETS, ("model",))
+        self.prefill_budget = hist("twospeed_step_prefill_budget_tokens",
+                                   "prompt tokens a step beside decodes allowed, by what bound it (time or tokens)",
+                                   STEP_TOKEN_BUCKETS, ("bound", "model"))
+        self.step_target = Gauge("twospeed_step_target_seconds",
+                                 "the step-time target of the last step that carried decodes (0: none)",
+                                 ("model",), registry=r)
         self.prompt_tokens = Counter("twospeed_prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
                                      ("lane", "model", "kind"), registry=r)
         self.generation_tokens = Counter("twospeed_generation_tokens", "output tokens emitted", lm, registry=r)
@@ -103,6 +119,12 @@ class ServerMetrics:
             self.step_failures.labels(self.model, scope)
         for kind in STEP_KINDS:
             self.step_tokens.labels(kind, self.model)
+        for kind in STEP_TIME_KINDS:
+            self.step_time.labels(kind, self.model)
+        for bound in BUDGET_BOUNDS:
+            self.prefill_budget.labels(bound, self.model)
+        self.step_error.labels(self.model)
+        self.step_target.labels(self.model)
         self._lanes: set[str] = set()
         for lane in lanes:
             self.add_lane(lane)
@@ -144,10 +166,22 @@ class ServerMetrics:
                 self.step_failures.labels(self.model, scope).inc()
 
     def on_step(self, stats: StepStats) -> None:
-        if stats.num_prefill_tokens:
-            self.step_tokens.labels("prefill", self.model).observe(stats.num_prefill_tokens)
-        if stats.num_decode_tokens:
-            self.step_tokens.labels("decode", self.model).observe(stats.num_decode_tokens)
+        prefill, decode = stats.num_prefill_tokens, stats.num_decode_tokens
+        if prefill:
+            self.step_tokens.labels("prefill", self.model).observe(prefill)
+        if decode:
+            self.step_tokens.labels("decode", self.model).observe(decode)
+        if not prefill and not decode:
+            return
+        kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+        self.step_time.labels(kind, self.model).observe(stats.step_time)
+        if stats.predicted_time is not None and stats.step_time > 0:
+            self.step_error.labels(self.model).observe(abs(stats.predicted_time - stats.step_time) / stats.step_time)
+        if decode:
+            self.step_target.labels(self.model).set(stats.target_time or 0.0)
+            if prefill or stats.time_bound:
+                self.prefill_budget.labels("time" if stats.time_bound else "tokens", self.model).observe(
+                    stats.prefill_budget)
 
     def set_load(self, running: dict[str, int], waiting: dict[str, int], kv_usage: float, cached_blocks: int) -> None:
         """Per-lane running/waiting counts (lanes not named are 0) and the pool's state."""

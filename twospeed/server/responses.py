@@ -26,7 +26,8 @@ def clock_json(clock: Clock) -> dict:
     return {"queue_ms": _ms(s["queue_time"]), "prefill_ms": _ms(s["prefill_time"]), "ttft_ms": _ms(s["ttft"]),
             "itl_ms": {"p50": _ms(s["itl_p50"]), "p99": _ms(s["itl_p99"]), "max": _ms(s["itl_max"])},
             "tpot_ms": _ms(s["tpot"]), "ttlt_ms": _ms(s["ttlt"]), "decode_steps": clock.decode_steps,
-            "interfered_steps": clock.interfered_steps}
+            "interfered_steps": clock.interfered_steps,
+            "longest_interfered_step_ms": _ms(clock.longest_interfered_step)}
 
 
 def merged_clock_json(clocks: list[Clock]) -> dict:
@@ -50,7 +51,8 @@ def merged_clock_json(clocks: list[Clock]) -> dict:
             "tpot_ms": _ms(sum(tpots) / len(tpots)) if tpots else None,
             "ttlt_ms": _ms(max(fin) - arrival) if fin else None,
             "decode_steps": sum(c.decode_steps for c in clocks),
-            "interfered_steps": sum(c.interfered_steps for c in clocks)}
+            "interfered_steps": sum(c.interfered_steps for c in clocks),
+            "longest_interfered_step_ms": _ms(max(c.longest_interfered_step for c in clocks))}
 
 
 def server_timing(clocks: list[Clock]) -> str:

@@ -8,6 +8,8 @@ optional percentile and a threshold:
 
 Metrics (the split clock of docs/ARCHITECTURE.md): queue, prefill, ttft, itl, tpot, ttlt. Units: us, ms, s, m.
 `priority=N` sets the lane's scheduling priority (used with --scheduling-policy priority).
+A lane's tightest ITL objective also goes to the engine with each of its requests: while one of them decodes,
+the scheduler keeps each step's predicted time within it (x SchedulerConfig.itl_objective_share).
 
 Judging one request: for queue/prefill/ttft/tpot/ttlt the request's own value is compared
 with the threshold (the percentile says what share of the lane's requests may miss: p99 ->
@@ -72,6 +74,14 @@ class LaneSLO:
     lane: str
     objectives: tuple[Objective, ...] = ()
     priority: int | None = None  # scheduling priority for the lane's requests (lower runs first)
+
+    @property
+    def itl_target(self) -> float | None:
+        """Seconds: the lane's tightest ITL objective, which the scheduler sizes steps to while the lane's requests
+        decode (Request.itl_target); inf when it has objectives but none on ITL; None without any."""
+        if not self.objectives:
+            return None
+        return min((o.threshold for o in self.objectives if o.metric == "itl"), default=math.inf)
 
 
 @dataclass(slots=True)

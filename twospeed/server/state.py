@@ -137,7 +137,7 @@ class ServerState:
                                 f"(--max-waiting {limit}); retry later", "rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
         priority = body.priority if body.priority is not None else (lane.priority or 0)
-        group = RequestGroup(lane.lane, priority, time.monotonic(), specs)
+        group = RequestGroup(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target)
         try:
             await engine.add(group)
         except ValueError as e:  # admission's InvalidParam names its field; a grammar that does not compile

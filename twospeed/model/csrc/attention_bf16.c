@@ -16,8 +16,11 @@
  * head dim: the rows' queries packed as k pairs, the key's pairs broadcast from the cache. So the online
  * softmax (running max m, sum l) runs lane-wise over keys, 16 keys at a time. P times V is the same trick the
  * other way: the 16 rows' probabilities of two keys interleaved in one vector, V's pairs of those two keys
- * broadcast, from V transposed once per (sequence, KV head) into [D][key pairs]. Scores, softmax and output
- * accumulate in float32; P is rounded to bf16 for the second product, as torch's flash attention does.
+ * broadcast. Those pairs are built a tile of 16 keys at a time, the first time a thread needs that tile of
+ * that (sequence, KV head), into a scratch buffer the thread keeps between calls (vtile below): a chunk
+ * continuing a long prompt no longer re-transposes the whole context's V up front, and no buffer is allocated
+ * per call. Scores, softmax and output accumulate in float32; P is rounded to bf16 for the second product, as
+ * torch's flash attention does.
  *
  * q, out: [T, H, D] rows of the flat batch; k_cache, v_cache: [num_blocks, BS, KVH, D]; per sequence s:
  * tables[s] (max_blocks block ids), its queries are rows q_start[s] .. + q_len[s] at positions
@@ -127,37 +130,69 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
     }
 }
 
+/* A thread's V scratch: for one (call, sequence, KV head) at a time, 16-key tiles of V as key pairs, tile t at
+ * v + t * 8 * D laid out [pair p][dim d] = (v[16t + 2p][d], v[16t + 2p + 1][d]) (keys at or past the context are
+ * 0, as padding must be for P x V), filled on first use: stamp[t] == epoch marks tile t as holding the current
+ * (call, sequence, KV head). OpenMP's pooled threads keep it between calls, so steady state allocates nothing. */
+typedef struct { uint32_t *v; uint64_t *stamp; int64_t cap, tiles; uint64_t epoch, call; int sh; } vscratch_t;
+static __thread vscratch_t vscratch;
+static uint64_t prefill_calls;  /* a fresh tag per call: a tile filled by an earlier call is never reused */
+
+static void fill_vtile(uint32_t *dst, const uint16_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH,
+                       int h, int D) {
+    for (int p = 0; p < 8; p++) {
+        const int j = 16 * t + 2 * p;
+        const uint16_t *a = j < ctx ? slot(v_cache, table, j, BS, KVH, h, D) : NULL;
+        const uint16_t *b = j + 1 < ctx ? slot(v_cache, table, j + 1, BS, KVH, h, D) : NULL;
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            const __mmask16 mk = D - d0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d0)) - 1);
+            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d0)) : _mm512_setzero_si512();
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d0)) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(dst + p * D + d0, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+/* Tile t of V's pairs for (call, sh = sequence * KVH + h), from the thread's scratch (filled if it is not yet),
+ * or built into `spare` (8 * D values) where the scratch cannot grow to `tiles` tiles. */
+static const uint32_t *vtile(const uint16_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH, int h,
+                             int D, uint64_t call, int sh, int64_t tiles, uint32_t *spare) {
+    vscratch_t *sc = &vscratch;
+    if (sc->tiles < tiles || sc->cap < 8 * D * tiles) {  /* grow (or first use): start empty */
+        free(sc->v); free(sc->stamp);
+        sc->v = malloc(sizeof(uint32_t) * 8 * D * tiles);
+        sc->stamp = calloc(tiles, sizeof(uint64_t));
+        const int ok = sc->v && sc->stamp;
+        sc->cap = ok ? 8 * D * tiles : 0; sc->tiles = ok ? tiles : 0; sc->epoch = 0; sc->call = 0;
+    }
+    if (!sc->tiles) {
+        fill_vtile(spare, v_cache, table, t, ctx, BS, KVH, h, D);
+        return spare;
+    }
+    if (sc->call != call || sc->sh != sh) { sc->call = call; sc->sh = sh; sc->epoch++; }
+    uint32_t *dst = sc->v + (int64_t)t * 8 * D;
+    if (sc->stamp[t] != sc->epoch) {
+        fill_vtile(dst, v_cache, table, t, ctx, BS, KVH, h, D);
+        sc->stamp[t] = sc->epoch;
+    }
+    return dst;
+}
+
 void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int64_t *tables, const int64_t *q_start, const int64_t *q_len,
                             const int64_t *ctx_len, uint16_t *out, int n, int H, int KVH, int D, int BS,
                             int max_blocks, int window, float scale, int threads) {
     const int G = H / KVH, D2 = D / 2;
-    /* V transposed per (sequence, KV head) into pairs of keys: vt[d][key pair] = (v[2p][d], v[2p+1][d]) */
-    int64_t *vt_off = malloc(sizeof(int64_t) * (n * KVH + 1));
     int64_t *task_off = malloc(sizeof(int64_t) * (n + 1));
-    vt_off[0] = 0; task_off[0] = 0;
+    int64_t max_tiles = 1;
+    task_off[0] = 0;
     for (int s = 0; s < n; s++) {
-        const int64_t pairs = (ctx_len[s] + 17) / 2;  /* rounded up, plus a pair for the last group's tail */
-        for (int h = 0; h < KVH; h++) vt_off[s * KVH + h + 1] = vt_off[s * KVH + h] + pairs * D;
         task_off[s + 1] = task_off[s] + (int64_t)KVH * ((q_len[s] * G + 15) / 16);
+        max_tiles = (ctx_len[s] + 15) / 16 > max_tiles ? (ctx_len[s] + 15) / 16 : max_tiles;
     }
-    uint32_t *vt = malloc(sizeof(uint32_t) * (vt_off[n * KVH] + 16));
+    const uint64_t call = __atomic_add_fetch(&prefill_calls, 1, __ATOMIC_RELAXED);
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(dynamic, 1)
-        for (int sh = 0; sh < n * KVH; sh++) {
-            const int s = sh / KVH, h = sh % KVH, ctx = (int)ctx_len[s];
-            const int64_t *table = tables + (int64_t)s * max_blocks;
-            const int64_t pairs = (vt_off[sh + 1] - vt_off[sh]) / D;
-            uint32_t *dst = vt + vt_off[sh];
-            for (int64_t p = 0; p < pairs; p++) {
-                const int j = (int)(2 * p);
-                const uint16_t *a = j < ctx ? slot(v_cache, table, j, BS, KVH, h, D) : NULL;
-                const uint16_t *b = j + 1 < ctx ? slot(v_cache, table, j + 1, BS, KVH, h, D) : NULL;
-                for (int d = 0; d < D; d++)
-                    dst[(int64_t)d * pairs + p] = (a ? a[d] : 0u) | ((uint32_t)(b ? b[d] : 0u) << 16);
-            }
-        }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < task_off[n]; task++) {
             int s = 0;
@@ -166,8 +201,6 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
             const int h = (int)(local / groups), rows = (int)(q_len[s] * G), r0 = (int)(local % groups) * 16;
             const int ctx = (int)ctx_len[s], first_pos = ctx - (int)q_len[s];
             const int64_t *table = tables + (int64_t)s * max_blocks;
-            const int64_t pairs = (vt_off[s * KVH + h + 1] - vt_off[s * KVH + h]) / D;
-            const uint32_t *vth = vt + vt_off[s * KVH + h];
             /* the rows' queries as k pairs: qp[c] lane r = (q[2c], q[2c+1]) of row r0 + r */
             __m512i qp[MAXD / 2];
             uint32_t lanes[16];
@@ -197,28 +230,30 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                                              : _mm512_set1_epi32(0);
             __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
             __m512 o[MAXD];
+            uint32_t spare[8 * MAXD];  /* V's pairs of one tile, where the thread's scratch cannot grow */
             for (int d = 0; d < D; d++) o[d] = _mm512_setzero_ps();
             const __m512 vscale = _mm512_set1_ps(scale);
             const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
             for (int j0 = lo & ~15; j0 < hi; j0 += 16) {
                 __m512 sc[16];
-                for (int jj = 0; jj < 16; jj += 4) {
-                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    const int j = j0 + jj;
-                    /* keys past hi get a real key's address (masked below) so the loop stays branch-free */
-                    const uint32_t *k0 = (const uint32_t *)slot(k_cache, table, j < hi ? j : hi - 1, BS, KVH, h, D);
-                    const uint32_t *k1 = (const uint32_t *)slot(k_cache, table, j + 1 < hi ? j + 1 : hi - 1, BS, KVH, h, D);
-                    const uint32_t *k2 = (const uint32_t *)slot(k_cache, table, j + 2 < hi ? j + 2 : hi - 1, BS, KVH, h, D);
-                    const uint32_t *k3 = (const uint32_t *)slot(k_cache, table, j + 3 < hi ? j + 3 : hi - 1, BS, KVH, h, D);
+                for (int jj = 0; jj < 16; jj += 8) {
+                    /* eight independent chains: one chain is a dependent vdpbf16ps per k pair, so fewer would
+                     * leave the FMA units waiting on its latency */
+                    const uint32_t *kr[8];
+                    __m512 a[8];
+                    for (int u = 0; u < 8; u++) {
+                        /* keys past hi get a real key's address (masked below) so the loop stays branch-free */
+                        const int j = j0 + jj + u;
+                        kr[u] = (const uint32_t *)slot(k_cache, table, j < hi ? j : hi - 1, BS, KVH, h, D);
+                        a[u] = _mm512_setzero_ps();
+                    }
                     for (int c = 0; c < D2; c++) {
                         const __m512bh qc = (__m512bh)qp[c];
-                        a0 = _mm512_dpbf16_ps(a0, qc, (__m512bh)_mm512_set1_epi32((int)k0[c]));
-                        a1 = _mm512_dpbf16_ps(a1, qc, (__m512bh)_mm512_set1_epi32((int)k1[c]));
-                        a2 = _mm512_dpbf16_ps(a2, qc, (__m512bh)_mm512_set1_epi32((int)k2[c]));
-                        a3 = _mm512_dpbf16_ps(a3, qc, (__m512bh)_mm512_set1_epi32((int)k3[c]));
+                        for (int u = 0; u < 8; u++)
+                            a[u] = _mm512_dpbf16_ps(a[u], qc, (__m512bh)_mm512_set1_epi32((int)kr[u][c]));
                     }
-                    sc[jj] = a0; sc[jj + 1] = a1; sc[jj + 2] = a2; sc[jj + 3] = a3;
+                    for (int u = 0; u < 8; u++) sc[jj + u] = a[u];
                 }
                 __m512 mx = _mm512_set1_ps(-INFINITY);
                 for (int jj = 0; jj < 16; jj++) {
@@ -246,12 +281,12 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                 for (int p = 0; p < 8; p++)
                     pp[p] = (__m512bh)_mm512_permutexvar_epi16(
                         interleave, (__m512i)_mm512_cvtne2ps_pbh(sc[2 * p + 1], sc[2 * p]));
-                const int64_t pair0 = j0 / 2;
+                const uint32_t *vt = vtile(v_cache, table, j0 / 16, ctx, BS, KVH, h, D, call, s * KVH + h, max_tiles,
+                                           spare);
                 for (int d = 0; d < D; d++) {
-                    const uint32_t *vd = vth + (int64_t)d * pairs + pair0;
                     __m512 acc = o[d];
                     for (int p = 0; p < 8; p++)
-                        acc = _mm512_dpbf16_ps(acc, pp[p], (__m512bh)_mm512_set1_epi32((int)vd[p]));
+                        acc = _mm512_dpbf16_ps(acc, pp[p], (__m512bh)_mm512_set1_epi32((int)vt[p * D + d]));
                     o[d] = acc;
                 }
             }
@@ -266,7 +301,7 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
             }
         }
     }
-    free(vt); free(vt_off); free(task_off);
+    free(task_off);
 }
 
 /* RoPE on q and k and the cache write, one pass (decode steps paid ~10 small torch ops per layer for it).
