@@ -147,12 +147,18 @@ class EngineConfig:
     # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
     # False starts from a roofline guess, which the engine's own steps then correct.
     cost_probe: bool = True
+    num_threads: int | None = None  # CPU threads per step; None = torch's setting (the cores this process may use)
+    # While other processes take cores, step with fewer threads so none waits at a barrier for a descheduled
+    # peer (engine/threads.py; Linux /proc/stat); back to num_threads when they go.
+    adapt_threads: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

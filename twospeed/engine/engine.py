@@ -32,6 +32,7 @@ from twospeed.engine.admission import ModelLimits, check_params, check_prompt
 from twospeed.engine.isolation import execute_isolating, sample_isolating
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.cost_probe import probe, roofline_prior
+from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
 from twospeed.engine.runner import ModelRunner, num_blocks_for
@@ -61,6 +62,7 @@ class StepStats:
     target_time: float | None = None  # seconds the prompt share was sized to (None: not sized by time)
     prefill_budget: int = 0  # prompt tokens the step allowed (scheduler.SchedulerOutput.prefill_budget)
     time_bound: bool = False  # the target, not the token budget, set the prompt share
+    num_threads: int = 1  # CPU threads the step ran with (engine/threads.py)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -80,6 +82,11 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_path)
         self.dtype = self.model_config.dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.device = torch.device(config.device)
+        if config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        # Fewer threads while other processes take cores (engine/threads.py); the count set here is the ceiling.
+        self.threads = (ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+                        if config.adapt_threads and self.device.type == "cpu" else None)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from twospeed.model.tokenizer import Tokenizer
@@ -186,6 +193,8 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        if self.threads is not None:
+            self.threads.tick()
         out = self.scheduler.schedule()
         touched: list[Request] = []
         errored: list[Request] = []
@@ -227,7 +236,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_preempted=len(out.preempted),
             kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks, predicted_time=out.predicted_time,
-            target_time=out.target_time, prefill_budget=out.prefill_budget, time_bound=out.time_bound)
+            target_time=out.target_time, prefill_budget=out.prefill_budget, time_bound=out.time_bound,
+            num_threads=self.threads.threads if self.threads is not None else 1)
         return outputs
 
     def _update(self, req: Request, token: int, lp, now: float) -> None:

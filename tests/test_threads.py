@@ -1,0 +1,90 @@
+"""The thread governor: fewer threads exactly while other processes take cores, back when they go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from twospeed.engine.threads import YIELD_AT, CpuSample, ThreadGovernor, read_sample
+
+
+class FakeMachine:
+    """A clock and /proc readings advanced by hand: `run(seconds, others=cores, own=cores)`."""
+
+    def __init__(self):
+        self.now = CpuSample(wall=100.0, machine_busy=1000.0, own=10.0)
+
+    def run(self, seconds: float, others: float, own: float = 2.0) -> None:
+        n = self.now
+        self.now = CpuSample(n.wall + seconds, n.machine_busy + (others + own) * seconds, n.own + own * seconds)
+
+    def __call__(self) -> CpuSample:
+        return self.now
+
+
+def governor(max_threads=2, interval=0.5):
+    machine, calls = FakeMachine(), []
+    return ThreadGovernor(max_threads, calls.append, interval=interval, sample=machine), machine, calls
+
+
+@pytest.mark.parametrize("others,want", [(0.0, 2), (YIELD_AT - 0.01, 2), (YIELD_AT + 0.01, 1), (0.67, 1), (1.0, 1),
+                                         (1.9, 1)])
+def test_threads_follow_the_cores_others_take(others, want):
+    gov, machine, calls = governor()
+    machine.run(0.6, others)
+    assert gov.tick() == want
+    assert gov.others == pytest.approx(others)
+    assert calls == ([] if want == 2 else [want])  # the setter runs only on a change
+
+
+def test_four_cores_give_up_one_thread_per_busy_core():
+    for others, want in ((0.0, 4), (0.5, 3), (1.2, 3), (1.5, 2), (2.9, 1), (3.8, 1)):
+        gov, machine, _ = governor(max_threads=4)
+        machine.run(1.0, others)
+        assert gov.tick() == want, others
+
+
+def test_back_to_all_threads_when_the_co_tenant_leaves_and_no_change_within_a_window():
+    gov, machine, calls = governor()
+    machine.run(0.6, 1.0)
+    assert gov.tick() == 1
+    machine.run(0.2, 0.0)  # inside the window: no new reading
+    assert gov.tick() == 1
+    machine.run(0.4, 0.0, own=1.0)  # a whole window alone (one thread busy)
+    assert gov.tick() == 2
+    assert calls == [1, 2] and gov.changes == 2
+
+
+def test_own_threads_never_count_as_others():
+    gov, machine, calls = governor()
+    machine.run(0.6, 0.0, own=2.0)  # our two threads (and the HTTP loop) keep both cores busy
+    assert gov.tick() == 2 and calls == []
+
+
+def test_without_proc_or_with_one_thread_nothing_changes():
+    calls = []
+    gov = ThreadGovernor(2, calls.append, sample=lambda: None)
+    assert gov.tick() == 2
+    gov1, machine, calls1 = governor(max_threads=1)
+    machine.run(1.0, 1.0)
+    assert gov1.tick() == 1 and calls1 == []
+
+
+@pytest.mark.skipif(read_sample() is None, reason="no /proc/stat here")
+def test_a_real_busy_process_is_seen_as_others():
+    """Against the real /proc: a spinning child process shows up as about one core of others' load."""
+    gov = ThreadGovernor(os.cpu_count() or 1, lambda n: None, interval=0.0)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.0)  # let it start, then measure a window while it spins
+        gov.tick()
+        time.sleep(1.0)
+        gov.tick()
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.5 < gov.others < (os.cpu_count() or 1) + 0.5  # a loaded CI machine adds more, never less
