@@ -22,6 +22,7 @@ class Ingress:
                        *handles):
         names = cluster.replica_names
         if cluster.attach_to is not None:
+            names = _replicas_of(cluster.attach_to) or names
             from ray import serve
 
             handles = [serve.get_deployment_handle(name, app_name=cluster.attach_to) for name in names]
@@ -32,3 +33,14 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         """Ray Serve's hook for an ingress whose app is built in the replica (after __init__)."""
         return self._app
+
+
+def _replicas_of(app: str) -> list[str]:
+    """The engine deployments of a running application (engine-0, engine-1, ...), in order."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        raise RuntimeError(f"--attach-to {app}: no Ray Serve application of that name is running")
+    names = [name for name in status.deployments if name.startswith("engine-")]
+    return sorted(names, key=lambda name: int(name.rsplit("-", 1)[1]))
