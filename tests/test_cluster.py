@@ -211,6 +211,33 @@ def test_merged_metrics_equal_the_replicas_own(cluster):
     assert {r["replica"] for r in doc["requests"]} <= set(REPLICAS)
 
 
+def test_the_dashboard_shows_the_replicas(cluster, tmp_path_factory):
+    from test_dashboard_browser import CHROMIUM, FLAGS, _why_no_browser
+
+    if why := _why_no_browser():
+        pytest.skip(why)
+    from playwright.sync_api import sync_playwright
+
+    replicas = cluster.replicas()
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(tmp_path_factory.mktemp("chromium")), executable_path=CHROMIUM,
+                                                   headless=True, args=FLAGS, viewport={"width": 1400, "height": 1000})
+        page = ctx.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{cluster.base}/dashboard")
+        page.wait_for_function("Number(document.body.dataset.updates || 0) >= 2", timeout=30_000)
+        page.screenshot(path=str(tmp_path_factory.mktemp("shots") / "cluster-dashboard.png"), full_page=True)
+        for name, state in replicas.items():
+            row = f"#replicas tr[data-replica='{name}']"
+            assert page.get_attribute(f"{row} td[data-col='routed']", "data-value") == str(sum(state["routed"].values()))
+            assert page.inner_text(f"{row} td[data-col='up']") == "up"
+            p50 = page.get_attribute(f"{row} td[data-col='route_p50']", "data-value")
+            assert p50 is not None and float(p50) > 0  # from the sequences it served (their clocks' route time)
+        ctx.close()
+    assert not errors, errors
+
+
 # -- faults (last: it restarts a replica) ------------------------------------------------------------------------
 def test_a_killed_replica_fails_only_its_streams_and_comes_back(cluster):
     streams: list[dict] = []

@@ -35,6 +35,10 @@ from twospeed.server.async_engine import RequestGroup, ShutdownError, StreamItem
 from twospeed.server.errors import APIError
 
 log = logging.getLogger(__name__)
+# The hop is on every request's critical path: by value over Ray Serve's gRPC transport, plain pickle (our messages
+# are dataclasses of this package), not through Ray's object store. On a loaded two-core machine this took the
+# route time's p50 from 7.1 to 4.8 ms (100 sequential requests each way, alternating, same sitting).
+HANDLE_OPTIONS = {"_by_reference": False, "request_serialization": "pickle", "response_serialization": "pickle"}
 
 
 class ReplicaLost(ShutdownError):
@@ -133,7 +137,7 @@ class ClusterEngine:
                 raise APIError(503, "no engine replica is up (they are restarting); retry later", "service_unavailable")
             slot = self.slots[decision.replica]
             slot.load.in_flight += n
-            response = slot.handle.generate.options(stream=True).remote(routed)
+            response = slot.handle.generate.options(stream=True, **HANDLE_OPTIONS).remote(routed)
             try:
                 first = await response.__anext__()
             except asyncio.CancelledError:  # the client left while we waited

@@ -23,6 +23,12 @@ from twospeed.server.config import ServerConfig
 
 
 
+# Ray Serve runs a replica's user code on a second event loop in its own thread, and the handles' router on a
+# third; each request would cross both on its way to the replica. Our replicas' code never blocks its loop (the
+# engine and the request preparation have threads of their own), so they run on the replica's main loop.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
 def build_cluster_app(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig):
     """The Ray Serve application to deploy (serve.run)."""
     from ray import serve
@@ -33,12 +39,13 @@ def build_cluster_app(engine_config: EngineConfig, server_config: ServerConfig, 
     ongoing = max(1024, 4 * (server_config.max_waiting + engine_config.scheduler.max_num_seqs))
     grace = server_config.shutdown_grace
     ingress = serve.deployment(serve.ingress()(Ingress), name="ingress", num_replicas=1, max_ongoing_requests=ongoing,
-                               ray_actor_options={"num_cpus": cluster.ingress_cpus},
+                               ray_actor_options={"num_cpus": cluster.ingress_cpus,
+                                                  "runtime_env": {"env_vars": dict(SERVE_ENV)}},
                                graceful_shutdown_timeout_s=grace + 2)
     if cluster.attach_to is not None:
         return ingress.bind(engine_config, server_config, cluster)
     threads = cluster.replica_threads
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **SERVE_ENV}
     engines = [serve.deployment(EngineReplica, name=name, num_replicas=1, max_ongoing_requests=ongoing,
                                 ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus,
                                                    "runtime_env": {"env_vars": env}},
