@@ -162,3 +162,12 @@ def test_every_decision_is_a_live_replica_and_predicts_the_cache(data):
             assert max(hits.values()) == 0
         replicas[decision.replica].serve(prompt)
         router.record(decision.replica, prompt)
+
+
+def test_serve_refuses_a_bad_cluster_flag_before_starting_anything(capsys):
+    from twospeed.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--router", "random"]) == 2
+    assert "router must be one of prefix, least-loaded, round-robin" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from twospeed.config import EngineConfig, ModelConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
+from twospeed.engine.engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -65,20 +66,11 @@ class ClusterModel:
         self.eos_token_ids = first.eos_token_ids
         self.num_blocks = sum(f.num_blocks for f in facts)  # the cluster's pool (the dashboard's share of blocks)
         self._grammars = None
-        self._lock = threading.Lock()
+        self._grammars_lock = threading.Lock()
 
-    @property
-    def grammars(self):
-        """A GrammarCompiler like the engine's: a request's grammar is compiled (checked) here before routing."""
-        with self._lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured output needs a tokenizer "
-                                     "(the engine was started with skip_tokenizer_init)")
-                from twospeed.engine.structured import GrammarCompiler
-                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                                 self.eos_token_ids)
-            return self._grammars
+    # The engine's own lazily built GrammarCompiler (llguidance over this tokenizer): a request's grammar is compiled,
+    # and so checked, here before it is routed. It reads tokenizer, model_config, eos_token_ids, _grammars(_lock).
+    grammars = LLMEngine.grammars
 
 
 def load_tokenizer(config: EngineConfig):
