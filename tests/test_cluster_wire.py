@@ -17,7 +17,7 @@ from twospeed import LLM, SamplingParams
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import merge_expositions
 from twospeed.cluster.wire import STAMPS, Assembler, Encoder, TimeBase, shift_clock
-from twospeed.engine.request import Clock
+from twospeed.engine.request import Clock, RequestOutput
 from twospeed.server.async_engine import EngineError, SequenceSpec, ShutdownError, StreamItem
 from twospeed.server.events import FinishEvent, StepEvent
 from twospeed.server.history import History
@@ -48,8 +48,8 @@ def run(engine, specs: list[SequenceSpec]) -> tuple[list[StreamItem], dict]:
 
 
 def test_the_clocks_stamps_are_all_shifted():
-    floats = {f.name for f in dataclasses.fields(Clock) if f.type in ("float", "float | None")}
-    assert set(STAMPS) == floats  # a new stamp on Clock must cross the hop too
+    stamps = {f.name for f in dataclasses.fields(Clock) if f.type == "float | None"} | {"arrival"}
+    assert set(STAMPS) == stamps  # a new stamp on Clock must cross the hop too (durations are plain floats)
     c = Clock(arrival=1.0, first_scheduled=2.0, token_times=[3.0, 4.0], routed=1.5)
     moved = shift_clock(c, 10.0)
     assert (moved.arrival, moved.routed, moved.token_times, moved.first_token) == (11.0, 11.5, [13.0, 14.0], None)
@@ -66,13 +66,17 @@ def test_deltas_rebuild_the_engines_outputs_exactly(engine):
     replica, ingress = TimeBase(), TimeBase()
     replica.offset += SKEW  # the replica's wall clock runs ahead: absolute times move, durations do not
     encoder, assembler = Encoder(replica), Assembler(specs, 0.0, ingress)
+    compared = ("request_id", "token_ids", "text", "new_token_ids", "new_text", "finished", "finish_reason",
+                "stop_reason", "prompt_token_ids", "num_preemptions", "error")
+    # Every field of RequestOutput crosses the hop (a new one must be added to wire.py and here); the prompt text is
+    # None in the server (it sends token ids) and the clock and bill are compared below.
+    assert {f.name for f in dataclasses.fields(RequestOutput)} == {*compared, "logprobs", "clock", "bill", "prompt"}
     held_back = 0
     for item in items:
         delta = pickle.loads(pickle.dumps(encoder.delta(item)))
         held_back += delta.text is not None
         got, want = assembler.item(delta), item.output
-        for name in ("request_id", "token_ids", "text", "new_token_ids", "new_text", "finished", "finish_reason",
-                     "stop_reason", "prompt_token_ids", "num_preemptions", "error"):
+        for name in compared:
             assert getattr(got.output, name) == getattr(want, name), name
         assert got.output.logprobs == want.logprobs
         assert got.token_times == pytest.approx([t + SKEW for t in item.token_times], abs=1e-6)

@@ -9,6 +9,7 @@ SIGINT deletes it (in-flight requests get --shutdown-grace seconds) and stops wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -44,13 +45,14 @@ def build_cluster_app(engine_config: EngineConfig, server_config: ServerConfig, 
                                graceful_shutdown_timeout_s=grace + 2)
     if cluster.attach_to is not None:
         return ingress.bind(engine_config, server_config, cluster)
-    threads = cluster.replica_threads
+    threads = engine_config.num_threads or cluster.replica_threads  # --num-threads wins where given
+    replica_engine = dataclasses.replace(engine_config, num_threads=threads)
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **SERVE_ENV}
     engines = [serve.deployment(EngineReplica, name=name, num_replicas=1, max_ongoing_requests=ongoing,
                                 ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus,
                                                    "runtime_env": {"env_vars": env}},
                                 graceful_shutdown_timeout_s=grace, health_check_period_s=2.0,
-                                health_check_timeout_s=30.0).bind(engine_config, server_config, name, threads)
+                                health_check_timeout_s=30.0).bind(replica_engine, server_config, name, threads)
                for name in cluster.replica_names]
     return ingress.bind(engine_config, server_config, cluster, *engines)
 

@@ -58,7 +58,8 @@ class EngineReplica:
     # -- the ingress's calls --------------------------------------------------------------------
     async def generate(self, routed: RoutedGroup):
         now, route_time = time.monotonic(), max(0.0, time.time() - routed.arrival_unix)
-        group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, routed_time=now)
+        group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, itl_target=routed.itl_target,
+                             routed_time=now)
         state = self.state
         try:
             if state.draining:

@@ -65,6 +65,7 @@ class RoutedGroup:
     priority: int
     arrival_unix: float  # arrival at the ingress
     specs: list[SequenceSpec]
+    itl_target: float | None = None  # seconds: the lane's tightest ITL objective (the scheduler sizes steps to it)
 
 
 @dataclass(slots=True)
