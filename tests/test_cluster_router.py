@@ -171,3 +171,5 @@ def test_serve_refuses_a_bad_cluster_flag_before_starting_anything(capsys):
     assert "replicas must be >= 1" in capsys.readouterr().err
     assert main(["serve", "--replicas", "2", "--router", "random"]) == 2
     assert "router must be one of prefix, least-loaded, round-robin" in capsys.readouterr().err
+    assert main(["serve", "--attach-to", "twospeed", "--router", "round-robin"]) == 2
+    assert "--attach-to needs --ray-address" in capsys.readouterr().err

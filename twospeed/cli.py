@@ -162,7 +162,10 @@ def _cluster_config(args: argparse.Namespace):
 
     names = {"replicas", "router", "ray_address", "replica_cpus", "replica_threads", "replica_gpus", "app_name",
              "attach_to"}
-    return ClusterConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+    config = ClusterConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+    if config.attach_to is not None and config.ray_address is None:
+        raise ValueError("--attach-to needs --ray-address: the Ray cluster the application runs on")
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
