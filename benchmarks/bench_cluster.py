@@ -14,7 +14,9 @@ replicas share the cores: compare the routers, not the scale-out. Targets (issue
 round-robin's on session-shaped agent traffic with a lower agent TTFT p50; route p99 <= 5 ms on loopback.
 
 `agent` sends every turn the same ~2k-token prefix, so after one request per replica both routers hit it;
-`agent-jobs` grows each job's history call by call (sessions), which is where affinity pays.
+`agent-jobs` grows each job's history call by call (sessions), which is where affinity pays. A job's number of
+calls depends on its answers (gates, loops), so for `agent-jobs` compare the cached share of prompt tokens (and
+per request), not the totals.
 """
 
 from __future__ import annotations
@@ -83,8 +85,11 @@ def print_workload(name: str, by_router: dict[str, dict], console: Console) -> N
         q = f"{a / b:.2f}x" if ratio and a is not None and b else "-"
         table.add_row(label, fmt(a), fmt(b), q)
 
-    row("requests (errors)", p["requests"], r["requests"], str, ratio=False)
+    row("requests", p["requests"], r["requests"], str, ratio=False)
+    row("errors", p["errors"], r["errors"], str, ratio=False)
     row("cached prompt tokens", p["cached_tokens"], r["cached_tokens"], lambda v: f"{v:,}")
+    per = [x["cached_tokens"] / x["requests"] if x["requests"] else None for x in (p, r)]
+    row("cached tokens per request", per[0], per[1], lambda v: "-" if v is None else f"{v:.0f}")
     row("cached share of prompt", p["cached_share"], r["cached_share"], lambda v: "-" if v is None else f"{v:.1%}")
     for lane in p["ttft"]:
         for q in ("p50", "p99"):
