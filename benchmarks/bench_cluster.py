@@ -94,7 +94,8 @@ def print_workload(name: str, by_router: dict[str, dict], console: Console) -> N
     for lane in p["ttft"]:
         for q in ("p50", "p99"):
             row(f"TTFT {q} ms ({lane})", p["ttft"][lane][q], r["ttft"].get(lane, {}).get(q), ms)
-    row("output tokens/s", p["output_tokens_per_s"], r["output_tokens_per_s"], lambda v: "-" if v is None else f"{v:.1f}")
+    row("output tokens/s", p["output_tokens_per_s"], r["output_tokens_per_s"],
+        lambda v: "-" if v is None else f"{v:.1f}")
     for q in ("p50", "p99"):
         row(f"route time {q} ms", p["route"][q], r["route"][q], ms)
     console.print(table)

@@ -230,7 +230,8 @@ def test_the_dashboard_shows_the_replicas(cluster, tmp_path_factory):
         page.screenshot(path=str(tmp_path_factory.mktemp("shots") / "cluster-dashboard.png"), full_page=True)
         for name, state in replicas.items():
             row = f"#replicas tr[data-replica='{name}']"
-            assert page.get_attribute(f"{row} td[data-col='routed']", "data-value") == str(sum(state["routed"].values()))
+            routed_here = page.get_attribute(f"{row} td[data-col='routed']", "data-value")
+            assert routed_here == str(sum(state["routed"].values()))
             assert page.inner_text(f"{row} td[data-col='up']") == "up"
             p50 = page.get_attribute(f"{row} td[data-col='route_p50']", "data-value")
             assert p50 is not None and float(p50) > 0  # from the sequences it served (their clocks' route time)

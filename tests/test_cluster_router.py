@@ -151,7 +151,8 @@ def test_every_decision_is_a_live_replica_and_predicts_the_cache(data):
     for _ in range(data.draw(st.integers(1, 25))):
         loads = [ReplicaLoad(up=data.draw(st.booleans()) or i == 0, in_flight=data.draw(st.integers(0, 5)),
                              waiting=data.draw(st.integers(0, 4))) for i in range(n)]
-        prompt = data.draw(st.sampled_from(stems)) + [data.draw(st.integers(0, 5)) for _ in range(data.draw(st.integers(1, 10)))]
+        tail = [data.draw(st.integers(0, 5)) for _ in range(data.draw(st.integers(1, 10)))]
+        prompt = data.draw(st.sampled_from(stems)) + tail
         decision = router.choose(prompt, loads)
         assert loads[decision.replica].up and decision.reason in REASONS
         hits = {i: len(replicas[i].kv.find_cached_prefix(prompt)) * BS for i in range(n) if loads[i].up}

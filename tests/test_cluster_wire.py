@@ -104,7 +104,8 @@ def test_errors_and_aborts_cross_with_their_kind():
 # -- merged metrics and history --------------------------------------------------------------------------------
 def feed(engine, n: int, lane: str, metrics: ServerMetrics, history: History, first: int = 0) -> None:
     prompt = engine.tokenizer.encode("merge these " * 6)
-    specs = [SequenceSpec(f"{lane}-{first + i}", prompt, SamplingParams(max_tokens=3 + i, temperature=0), i) for i in range(n)]
+    specs = [SequenceSpec(f"{lane}-{first + i}", prompt, SamplingParams(max_tokens=3 + i, temperature=0), i)
+             for i in range(n)]
     requests = {s.request_id: engine.add_request(s.request_id, s.prompt_token_ids, s.params) for s in specs}
     while engine.has_unfinished_requests():
         for out in engine.step():

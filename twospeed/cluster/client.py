@@ -98,12 +98,12 @@ class ClusterEngine:
         tokenizer = await asyncio.to_thread(load_tokenizer, facts[0].config)
         self.model = ClusterModel(list(facts), tokenizer)
         c = self.config
+        options = {}
+        if c.router == "prefix":
+            options = dict(max_prefix_blocks=c.max_prefix_blocks, queue_threshold=c.queue_threshold,
+                           kv_threshold=c.kv_threshold, imbalance_threshold=c.imbalance_threshold)
         self.router = make_router(c.router, len(self.slots), facts[0].config.cache.block_size,
-                                  [f.num_blocks for f in facts], **({"max_prefix_blocks": c.max_prefix_blocks,
-                                                                     "queue_threshold": c.queue_threshold,
-                                                                     "kv_threshold": c.kv_threshold,
-                                                                     "imbalance_threshold": c.imbalance_threshold}
-                                                                    if c.router == "prefix" else {}))
+                                  [f.num_blocks for f in facts], **options)
         self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
         return self.model
 

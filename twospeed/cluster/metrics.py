@@ -26,8 +26,8 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         rm = ("replica", "model")
         self.routed = Counter("twospeed_router_requests", "requests routed, by replica and reason "
-                              "(prefix, overloaded, least_loaded, round_robin, failover)", ("replica", "model", "reason"),
-                              registry=r)
+                              "(prefix, overloaded, least_loaded, round_robin, failover)",
+                              ("replica", "model", "reason"), registry=r)
         self.route_time = Histogram("twospeed_router_route_time_seconds",
                                     "arrival at the ingress -> arrival at the replica, per request", rm,
                                     buckets=ROUTE_BUCKETS, registry=r)

@@ -67,7 +67,8 @@ class Router(ABC):
         self._next = 0  # where ties start (rotates)
 
     @abstractmethod
-    def choose(self, prompt: Sequence[int], loads: Sequence[ReplicaLoad], exclude: Collection[int] = ()) -> Decision | None:
+    def choose(self, prompt: Sequence[int], loads: Sequence[ReplicaLoad],
+               exclude: Collection[int] = ()) -> Decision | None:
         """The replica for a request with this prompt, among those up and not excluded; None if there is none."""
 
     def record(self, replica: int, token_ids: Sequence[int]) -> None:
@@ -112,8 +113,9 @@ class LeastLoadedRouter(Router):
 class PrefixRouter(Router):
     name = "prefix"
 
-    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: Sequence[int], *, max_prefix_blocks: int = 512,
-                 queue_threshold: int = 4, kv_threshold: float = 0.9, imbalance_threshold: int = 4):
+    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: Sequence[int], *,
+                 max_prefix_blocks: int = 512, queue_threshold: int = 4, kv_threshold: float = 0.9,
+                 imbalance_threshold: int = 4):
         super().__init__(num_replicas)
         if len(capacity_blocks) != num_replicas or block_size < 1:
             raise ValueError("one capacity per replica and a block size >= 1")
@@ -172,7 +174,8 @@ class PrefixRouter(Router):
         return len(self._tables[replica])
 
 
-def make_router(name: str, num_replicas: int, block_size: int, capacity_blocks: Sequence[int], **prefix_options) -> Router:
+def make_router(name: str, num_replicas: int, block_size: int, capacity_blocks: Sequence[int],
+                **prefix_options) -> Router:
     """The router named by ClusterConfig.router."""
     if name == "prefix":
         return PrefixRouter(num_replicas, block_size, capacity_blocks, **prefix_options)

@@ -215,7 +215,10 @@
       {title: "cached+prefilled", key: (r) => `${int(r.bill.cached_tokens)}+${int(r.bill.prefilled_tokens)}`},
       {title: "output (forced)", key: (r) => `${int(r.bill.output_tokens)} (${int(r.bill.forced_tokens)})`},
       ...(spec ? [{title: "spec accepted/proposed", key: (r) => `${int(r.bill.spec_accepted)}/${int(r.bill.spec_proposed)}`}] : []),
-      {title: "queue ms", key: (r) => ms(r.queue)}, {title: "prefill ms", key: (r) => ms(r.prefill)},
+      {title: "queue ms", key: (r) => ms(r.queue)},
+      ...(recent.some((r) => r.route !== null && r.route !== undefined)  // behind a router: the hop, inside queue
+        ? [{title: "route ms", key: (r) => ms(r.route)}, {title: "replica", key: (r) => r.replica || "-"}] : []),
+      {title: "prefill ms", key: (r) => ms(r.prefill)},
       {title: "TTFT ms", key: (r) => ms(r.ttft)}, {title: "ITL p50/p99 ms", key: (r) => `${ms(r.itl_p50)} / ${ms(r.itl_p99)}`},
       {title: "TPOT ms", key: (r) => ms(r.tpot)}, {title: "TTLT ms", key: (r) => ms(r.ttlt)},
       {title: "decode steps (interfered)", key: (r) => `${int(r.decode_steps)} (${int(r.interfered_steps)})`},
