@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-# One install for both targets: the project, its test extras, and torch pinned first so that
-# nothing can pull a CUDA build.
+# One install for both targets: the project, its test extras and the cluster extra (Ray Serve, for
+# `serve --replicas` and its tests), and torch pinned first so that nothing can pull a CUDA build.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,cluster]"
 	@touch $@
 
 # The latency lab on the demo model: serve it with chunked prefill on, then off; replay a short `mixed`

@@ -145,22 +145,55 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price", metavar="INPUT,CACHED,OUTPUT",
                         help="the dashboard's price table: dollars per 1M prefilled input, cached input, output tokens")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    cluster = parser.add_argument_group("scale-out on Ray Serve (twospeed[cluster]; twospeed/cluster/config.py)")
+    cluster.add_argument("--replicas", type=int, help="engine replicas behind one endpoint (default: one engine here)")
+    cluster.add_argument("--router", help="how requests pick a replica: prefix (default), least-loaded, round-robin")
+    cluster.add_argument("--ray-address", help="join this Ray cluster (e.g. auto) instead of starting one here")
+    cluster.add_argument("--replica-cpus", type=float, help="Ray CPUs each replica reserves (default 1)")
+    cluster.add_argument("--replica-threads", type=int, help="torch threads each replica computes with (default 1)")
+    cluster.add_argument("--replica-gpus", type=float, help="Ray GPUs each replica reserves (default 0)")
+    cluster.add_argument("--app-name", help="the Ray Serve application's name (default twospeed)")
+    cluster.add_argument("--attach-to", metavar="APP", help="deploy only an ingress over APP's running replicas "
+                                                           "(another router over the same engines)")
+
+
+def _cluster_config(args: argparse.Namespace):
+    from twospeed.cluster.config import ClusterConfig
+
+    names = {"replicas", "router", "ray_address", "replica_cpus", "replica_threads", "replica_gpus", "app_name",
+             "attach_to"}
+    config = ClusterConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+    if config.attach_to is not None and config.ray_address is None:
+        raise ValueError("--attach-to needs --ray-address: the Ray cluster the application runs on")
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from twospeed.server.app import ServerConfig, run_server
 
     names = [f.name for f in dataclasses.fields(ServerConfig)]
+    clustered = args.replicas is not None or args.attach_to is not None
     try:
+        cluster = _cluster_config(args) if clustered else None
+        if clustered:
+            from twospeed.cluster import keep_ray_on_loopback, require_ray
+
+            if cluster.ray_address is None:
+                keep_ray_on_loopback()
+            require_ray()
         engine_config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         server_config = ServerConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         server_config.lanes()  # a bad --slo fails here, with its message
         from twospeed.engine.engine import resolve_model_path
         if args.model != "demo":  # the demo is built (torch, in the main thread) only in the engine thread
             resolve_model_path(args.model)  # a wrong --model fails here, before uvicorn starts
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"twospeed serve: {e}", file=sys.stderr)
         return 2
+    if clustered:
+        from twospeed.cluster.deploy import run_cluster
+
+        return run_cluster(engine_config, server_config, cluster, log_level=args.log_level)
     rc = run_server(engine_config, server_config, log_level=args.log_level)
     # Everything is shut down by now (responses ended, the engine thread joined, logs written): skip the
     # interpreter's teardown of torch and the model (~0.5 s), so the process exits when the grace says.

@@ -44,10 +44,16 @@ class Clock:
     decode_steps: int = 0  # steps that computed one of its decode tokens
     interfered_steps: int = 0  # of those, steps that also ran another request's prefill chunk
     longest_interfered_step: float = 0.0  # seconds: the longest of those steps (schedule to sample)
+    routed: float | None = None  # behind a router: arrival at the replica (arrival is at the router)
 
     @property
     def queue_time(self) -> float | None:
         return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def route_time(self) -> float | None:
+        """Behind a router: routed - arrival, the hop to the replica (a part of queue_time); None without one."""
+        return None if self.routed is None else self.routed - self.arrival
 
     @property
     def prefill_time(self) -> float | None:
@@ -79,7 +85,8 @@ class Clock:
     def summary(self) -> dict[str, float | None]:
         """The derived clock in seconds, with ITL percentiles, for reports and the API."""
         itl = sorted(self.itl)
-        return {"queue_time": self.queue_time, "prefill_time": self.prefill_time, "ttft": self.ttft,
+        return {"queue_time": self.queue_time, "route_time": self.route_time, "prefill_time": self.prefill_time,
+                "ttft": self.ttft,
                 "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "itl_max": itl[-1] if itl else None,
                 "tpot": self.tpot, "ttlt": self.ttlt}
 

@@ -26,7 +26,7 @@ CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "intend
               "prompt_tokens_asked", "cached_tokens", "prefilled_tokens", "observation_tokens", "output_tokens", "max_tokens", "needed_tokens",
               "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "call_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
-              "token_source", "server_queue_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
+              "token_source", "server_queue_s", "server_route_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
               "server_decode_steps", "server_interfered_steps", "server_slo_met", "finish_reason", "gate_passed",
               "gate_reason", "slo_met", "slo_missed", "good")
 
@@ -113,7 +113,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "chunk_gap_p50_s": _pct(t.chunk_gaps, 50) if t else None,
         "chunk_gap_max_s": max(t.chunk_gaps) if t and t.chunk_gaps else None,
         "token_source": t.source if t else None,
-        "server_queue_s": _s(clock.get("queue_ms")), "server_prefill_s": _s(clock.get("prefill_ms")),
+        "server_queue_s": _s(clock.get("queue_ms")), "server_route_s": _s(clock.get("route_ms")),
+        "server_prefill_s": _s(clock.get("prefill_ms")),
         "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
         "server_decode_steps": clock.get("decode_steps"), "server_interfered_steps": clock.get("interfered_steps"),
         "server_slo_met": slo.get("met"), "finish_reason": resp.finish_reason,

@@ -35,15 +35,18 @@ __all__ = ["ServerConfig", "build_app", "run_server"]
 ROUTERS = [routes_openai, routes_ops, routes_dashboard]  # modules with a `router` (and BODY_MODELS if they parse bodies themselves)
 
 
-def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None) -> FastAPI:
-    """The FastAPI app. The engine is loaded in the lifespan (so /health is 200 only once it is), unless given."""
+def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None, client=None,
+              routers: tuple = ()) -> FastAPI:
+    """The FastAPI app. The engine is loaded in the lifespan (so /health is 200 only once it is), unless given.
+    client: serve through this EngineClient instead (server/engine_client.py); routers: modules whose routes come
+    before ROUTERS' and so answer their paths instead (the cluster's merged /metrics and /dashboard/data)."""
     server_config.lanes()  # fail at start on a bad --slo, not on the first request
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         from twospeed.engine.engine import LLMEngine
         source = engine if engine is not None else partial(LLMEngine, engine_config)
-        state = ServerState(source, server_config, server_config.served_model_name or engine_config.model)
+        state = ServerState(source, server_config, server_config.served_model_name or engine_config.model, client)
         await state.start()
         app.state.twospeed = state
         try:
@@ -56,9 +59,10 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
     app.add_middleware(GuardMiddleware, get_state=lambda: getattr(app.state, "twospeed", None),
                        config=server_config)
     install_error_handlers(app)
-    for module in ROUTERS:
+    modules = [*routers, *ROUTERS]
+    for module in modules:
         app.include_router(module.router)
-    openapi.install(app, [m for module in ROUTERS for m in getattr(module, "BODY_MODELS", ())])
+    openapi.install(app, [m for module in modules for m in getattr(module, "BODY_MODELS", ())])
     return app
 
 
@@ -72,7 +76,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_lev
     shutdown_grace seconds, end the rest (an error event and [DONE] for a stream, 503 otherwise), and
     return 0."""
     app = build_app(engine_config, server_config)
+    # asyncio and h11 whatever else is installed (ray[serve] brings uvloop and httptools): the same server either way.
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
+                            loop="asyncio", http="h11",
                             timeout_graceful_shutdown=server_config.shutdown_grace + _UVICORN_MARGIN, lifespan="on",
                             access_log=log_level == "debug")
     server = _Server(config, app)

@@ -90,6 +90,8 @@ class RequestGroup:
     itl_target: float | None = None  # seconds: the lane's tightest ITL objective (LaneSLO.itl_target)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    routed_time: float | None = None  # behind a router: arrival at this replica (arrival_time is at the router)
+    replica: str | None = None  # behind a router: the replica serving it (the x-twospeed-replica header)
 
     async def next(self) -> StreamItem:
         item = await self.queue.get()
@@ -257,6 +259,7 @@ class AsyncEngine:
                 req = self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
                                               arrival_time=group.arrival_time, priority=group.priority,
                                               itl_target=group.itl_target)
+                req.clock.routed = group.routed_time
                 self._tracked[spec.request_id] = _Tracked(group, spec, req)
                 added.append(spec.request_id)
         except Exception as e:  # ValueError for bad input; anything else is also this request's problem only

@@ -42,6 +42,12 @@ def _matches(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + "/")
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: without the root_path a proxy mounted the app under (Ray Serve's route_prefix)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def key_given(authorization: bytes, key: bytes) -> bool:
     """Whether the Authorization header carries the key: Bearer KEY, or Basic with KEY as the password."""
     scheme, _, token = authorization.partition(b" ")
@@ -76,7 +82,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = _route_path(scope)
         headers = dict(scope.get("headers") or ())
         if self._key is not None and needs_key(path, self.config):
             if not key_given(headers.get(b"authorization", b""), self._key):

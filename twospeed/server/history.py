@@ -125,7 +125,8 @@ class History:
         itl = sorted(clock.itl)
         return {"id": req.request_id, "lane": event.lane, "arrival": clock.arrival + self._to_unix,
                 "finish_reason": "abort" if event.aborted and req.finish_reason is None else req.finish_reason,
-                "aborted": event.aborted, "queue": clock.queue_time, "prefill": clock.prefill_time,
+                "aborted": event.aborted, "queue": clock.queue_time, "route": clock.route_time,
+                "prefill": clock.prefill_time,
                 "ttft": clock.ttft, "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
                 "itl_max": itl[-1] if itl else None, "tpot": clock.tpot, "ttlt": clock.ttlt,
                 "decode_steps": clock.decode_steps, "interfered_steps": clock.interfered_steps,

@@ -23,7 +23,8 @@ def _ms(seconds: float | None) -> float | None:
 
 def clock_json(clock: Clock) -> dict:
     s = clock.summary()
-    return {"queue_ms": _ms(s["queue_time"]), "prefill_ms": _ms(s["prefill_time"]), "ttft_ms": _ms(s["ttft"]),
+    return {"queue_ms": _ms(s["queue_time"]), "route_ms": _ms(s["route_time"]), "prefill_ms": _ms(s["prefill_time"]),
+            "ttft_ms": _ms(s["ttft"]),
             "itl_ms": {"p50": _ms(s["itl_p50"]), "p99": _ms(s["itl_p99"]), "max": _ms(s["itl_max"])},
             "tpot_ms": _ms(s["tpot"]), "ttlt_ms": _ms(s["ttlt"]), "decode_steps": clock.decode_steps,
             "interfered_steps": clock.interfered_steps,
@@ -43,7 +44,9 @@ def merged_clock_json(clocks: list[Clock]) -> dict:
     fin = [c.finished for c in clocks if c.finished is not None]
     gaps = sorted(g for c in clocks for g in c.itl)
     tpots = [c.tpot for c in clocks if c.tpot is not None]
+    routed = [c.routed for c in clocks if c.routed is not None]
     return {"queue_ms": _ms(min(first) - arrival) if first else None,
+            "route_ms": _ms(min(routed) - arrival) if routed else None,
             "prefill_ms": _ms(max(done) - min(first)) if done and first and len(done) == len(clocks) else None,
             "ttft_ms": _ms(min(first_tok) - arrival) if first_tok else None,
             "itl_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99)),
@@ -58,8 +61,8 @@ def merged_clock_json(clocks: list[Clock]) -> dict:
 def server_timing(clocks: list[Clock]) -> str:
     m = merged_clock_json(clocks)
     decode = None if m["ttlt_ms"] is None or m["ttft_ms"] is None else round(m["ttlt_ms"] - m["ttft_ms"], 3)
-    parts = [(name, value) for name, value in (("queue", m["queue_ms"]), ("prefill", m["prefill_ms"]),
-                                               ("decode", decode)) if value is not None]
+    parts = [(name, value) for name, value in (("queue", m["queue_ms"]), ("route", m["route_ms"]),
+                                               ("prefill", m["prefill_ms"]), ("decode", decode)) if value is not None]
     return ", ".join(f"{name};dur={value}" for name, value in parts)
 
 

@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 
 from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, ShutdownError, monotonic_to_unix
 from twospeed.server.config import ServerConfig
+from twospeed.server.engine_client import EngineClient
 from twospeed.server.errors import APIError
 from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
@@ -29,17 +30,19 @@ LANE_HEADER = "x-twospeed-lane"
 class ServerState:
     """What the handlers share: the engine wrapper, the tokenizer, metrics, lanes, the draining flag."""
 
-    def __init__(self, engine, server_config: ServerConfig, model_name: str):
-        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why)."""
-        self.engine = None  # LLMEngine once started, used read-only outside the engine thread (config, tokenizer)
+    def __init__(self, engine, server_config: ServerConfig, model_name: str, client: EngineClient | None = None):
+        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why).
+        client: another EngineClient to serve with instead (engine_client.py; the cluster's router over replicas),
+        which then owns the metrics and history its /metrics and /dashboard show."""
+        self.engine = None  # the engine's read-only facts once started (an LLMEngine here): config, tokenizer
         self.tokenizer = None
         self.config = server_config
         self.model_name = model_name
         self.slos = SLOTable(server_config.lanes())
         self.metrics = ServerMetrics(model_name, lanes=(DEFAULT_LANE, *self.slos.lanes))
         self.history = History(server_config.history())
-        self.async_engine = AsyncEngine(engine, judge=self._judge, listeners=[self.metrics.on_event,
-                                                                              self.history.on_event])
+        self.async_engine: EngineClient = client if client is not None else AsyncEngine(
+            engine, judge=self._judge, listeners=[self.metrics.on_event, self.history.on_event])
         self.to_unix = monotonic_to_unix()
         self.draining = False
         self.created = int(time.time())

@@ -24,6 +24,7 @@ from twospeed.server.state import ServerState
 
 NO_TOKENS = {"num_tokens": 0, "emit_times": []}  # chunks that carry no generated token (role, echo, usage)
 ABORTED = "the request was aborted (the server is shutting down)"
+REPLICA_HEADER = "x-twospeed-replica"
 
 
 def sse(obj: dict | str) -> str:
@@ -109,7 +110,12 @@ def final_response(group: RequestGroup, finals: list[StreamItem], body: dict) ->
     """A non-streaming body with the request's twospeed object and its Server-Timing header."""
     body["twospeed"] = request_twospeed(group.lane, finals)
     clocks = [f.output.clock for f in finals]
-    return JSONResponse(body, headers={"Server-Timing": server_timing(clocks)})
+    return JSONResponse(body, headers={"Server-Timing": server_timing(clocks), **replica_header(group)})
+
+
+def replica_header(group: RequestGroup) -> dict[str, str]:
+    """Behind a router, which replica served the request."""
+    return {REPLICA_HEADER: group.replica} if group.replica else {}
 
 
 class SSEResponse(StreamingResponse):
@@ -117,7 +123,7 @@ class SSEResponse(StreamingResponse):
 
     def __init__(self, content, state: ServerState, group: RequestGroup):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **replica_header(group)})
         self._state, self._group = state, group
 
     async def __call__(self, scope, receive, send) -> None:

@@ -17,7 +17,8 @@
     for (const [k, v] of Object.entries(d.steps)) (S.steps[k] = S.steps[k] || new Array(S.steps.t.length - v.length).fill(null)).push(...v);
     for (const k of ["t", "lane", "gap"]) S.gaps[k].push(...d.gaps[k]);
     S.requests.push(...d.requests);
-    Object.assign(S, {now: d.now, lanes: d.lanes, config: d.config, totals: d.totals, slo: d.slo, load: d.load});
+    Object.assign(S, {now: d.now, lanes: d.lanes, config: d.config, totals: d.totals, slo: d.slo, load: d.load,
+                      replicas: d.replicas || null});
     trim(S.now - KEEP_S);
     S.updates++;
   }
@@ -214,7 +215,10 @@
       {title: "cached+prefilled", key: (r) => `${int(r.bill.cached_tokens)}+${int(r.bill.prefilled_tokens)}`},
       {title: "output (forced)", key: (r) => `${int(r.bill.output_tokens)} (${int(r.bill.forced_tokens)})`},
       ...(spec ? [{title: "spec accepted/proposed", key: (r) => `${int(r.bill.spec_accepted)}/${int(r.bill.spec_proposed)}`}] : []),
-      {title: "queue ms", key: (r) => ms(r.queue)}, {title: "prefill ms", key: (r) => ms(r.prefill)},
+      {title: "queue ms", key: (r) => ms(r.queue)},
+      ...(recent.some((r) => r.route !== null && r.route !== undefined)  // behind a router: the hop, inside queue
+        ? [{title: "route ms", key: (r) => ms(r.route)}, {title: "replica", key: (r) => r.replica || "-"}] : []),
+      {title: "prefill ms", key: (r) => ms(r.prefill)},
       {title: "TTFT ms", key: (r) => ms(r.ttft)}, {title: "ITL p50/p99 ms", key: (r) => `${ms(r.itl_p50)} / ${ms(r.itl_p99)}`},
       {title: "TPOT ms", key: (r) => ms(r.tpot)}, {title: "TTLT ms", key: (r) => ms(r.ttlt)},
       {title: "decode steps (interfered)", key: (r) => `${int(r.decode_steps)} (${int(r.interfered_steps)})`},
@@ -225,10 +229,40 @@
     $("requests").replaceChildren(table(cols, recent, (r) => ({"data-id": r.id, class: r.met === false ? "miss" : null})));
   }
 
+  // Behind a router (twospeed serve --replicas N): each replica's state as the router sees it, what was routed
+  // there and why, and the route time and TTFT of the sequences it served in the window.
+  function renderReplicas(cutoff) {
+    $("replicas-section").hidden = !S.replicas;
+    if (!S.replicas) return;
+    const rows = S.replicas.map((r) => {
+      const recs = S.requests.filter((q) => q.replica === r.name && q.t >= cutoff && !q.aborted && q.ttft !== null);
+      const q = (key, p) => percentile(sortNum(recs.map((x) => x[key]).filter((v) => v !== null && v !== undefined)), p);
+      return {...r, n: recs.length, route_p50: q("route", 50), route_p99: q("route", 99), ttft_p50: q("ttft", 50),
+              routed_total: sum(Object.values(r.routed))};
+    });
+    const reasons = Array.from(new Set(rows.flatMap((r) => Object.keys(r.routed)))).sort();
+    $("replicas").replaceChildren(table([
+      {id: "name", title: "replica", key: (r) => r.name}, {id: "up", title: "state", key: (r) => (r.up ? "up" : "down")},
+      {id: "restarts", title: "restarts", key: (r) => int(r.restarts), value: (r) => r.restarts},
+      {id: "in_flight", title: "in flight", key: (r) => int(r.in_flight), value: (r) => r.in_flight},
+      {id: "running", title: "running", key: (r) => int(r.running), value: (r) => r.running},
+      {id: "waiting", title: "waiting", key: (r) => int(r.waiting), value: (r) => r.waiting},
+      {id: "kv_usage", title: "KV in use", key: (r) => pct(r.kv_usage), value: (r) => r.kv_usage},
+      {id: "routed", title: "routed", key: (r) => int(r.routed_total), value: (r) => r.routed_total},
+      ...reasons.map((k) => ({id: "routed_" + k, title: k.replace("_", " "), key: (r) => int(r.routed[k] || 0),
+                              value: (r) => r.routed[k] || 0})),
+      {id: "lost", title: "lost to a death", key: (r) => int(r.lost), value: (r) => r.lost},
+      {id: "route_p50", title: "route p50 ms", key: (r) => ms(r.route_p50), value: (r) => r.route_p50},
+      {id: "route_p99", title: "route p99 ms", key: (r) => ms(r.route_p99), value: (r) => r.route_p99},
+      {id: "ttft_p50", title: "TTFT p50 ms", key: (r) => ms(r.ttft_p50), value: (r) => r.ttft_p50},
+    ], rows, (r) => ({"data-replica": r.name, class: r.up ? null : "miss"})));
+  }
+
   function render() {
     const cutoff = S.now - windowSeconds();
     const stats = laneStats(cutoff);
     renderLanes(stats);
+    renderReplicas(cutoff);
     renderKV(renderSteps(cutoff));
     renderBill();
     renderSLO(stats);

@@ -1,0 +1,82 @@
+"""The ingress's view of the engine its replicas run: their facts, checked to agree, with a tokenizer of its own.
+
+The ingress prepares and validates every request exactly as `twospeed serve` does (server/prepare.py, and the
+admission table, engine/admission.py), so a request that would fail a replica is refused before it is routed,
+with the same 400. That needs what a local LLMEngine offers read-only: the model's limits, the scheduler's
+config, the tokenizer and the grammar compiler. ClusterModel offers exactly that surface; the limits come from
+the replicas (which built the engine), the tokenizer is loaded here from the same checkpoint folder (on a
+multi-node cluster, the folder must be at the same path on every node, as the replicas need it too).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from twospeed.config import EngineConfig, ModelConfig, SchedulerConfig
+from twospeed.engine.admission import ModelLimits
+from twospeed.engine.engine import LLMEngine
+
+
+@dataclass(slots=True)
+class ReplicaFacts:
+    """What a replica says about itself when asked (EngineReplica.describe)."""
+
+    name: str  # the deployment: engine-0, engine-1, ...
+    instance: str  # changes when the replica restarts (a new process, an empty cache)
+    actor: str  # its Ray actor's name (namespace "serve")
+    node: str  # the host it runs on
+    config: EngineConfig
+    model_config: ModelConfig
+    dtype: object  # the torch dtype its weights and KV cache use
+    limits: ModelLimits
+    scheduler_config: SchedulerConfig  # with max_model_len as the engine resolved it
+    num_blocks: int  # its KV pool, in blocks
+    eos_token_ids: frozenset[int]
+    kv_bytes_per_block: int
+
+    def mismatch(self, other: "ReplicaFacts") -> str | None:
+        """How this replica's engine differs from another's in what the ingress relies on, or None."""
+        for what, a, b in (("model", self.config.model, other.config.model),
+                           ("block_size", self.config.cache.block_size, other.config.cache.block_size),
+                           ("limits", self.limits, other.limits),
+                           ("eos_token_ids", self.eos_token_ids, other.eos_token_ids),
+                           ("skip_tokenizer_init", self.config.skip_tokenizer_init, other.config.skip_tokenizer_init)):
+            if a != b:
+                return f"{self.name} has {what} {a!r} but {other.name} has {b!r}"
+        return None
+
+
+class ClusterModel:
+    """LLMEngine's read-only surface (config, limits, tokenizer, grammars, ...) for the engine every replica runs."""
+
+    def __init__(self, facts: list[ReplicaFacts], tokenizer):
+        first = facts[0]
+        for other in facts[1:]:
+            if (problem := first.mismatch(other)) is not None:
+                raise RuntimeError(f"the replicas do not run the same engine: {problem}")
+        self.replicas = facts
+        self.config = first.config
+        self.model_config = first.model_config
+        self.dtype = first.dtype
+        self.tokenizer = tokenizer
+        self.limits = first.limits
+        self.max_model_len = first.limits.max_model_len
+        self.scheduler_config = first.scheduler_config
+        self.eos_token_ids = first.eos_token_ids
+        self.num_blocks = sum(f.num_blocks for f in facts)  # the cluster's pool (the dashboard's share of blocks)
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+
+    # The engine's own lazily built GrammarCompiler (llguidance over this tokenizer): a request's grammar is compiled,
+    # and so checked, here before it is routed. It reads tokenizer, model_config, eos_token_ids, _grammars(_lock).
+    grammars = LLMEngine.grammars
+
+
+def load_tokenizer(config: EngineConfig):
+    """The checkpoint's tokenizer, as the replicas load it (None with skip_tokenizer_init)."""
+    if config.skip_tokenizer_init:
+        return None
+    from twospeed.engine.engine import resolve_model_path
+    from twospeed.model.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(resolve_model_path(config.model))

@@ -1,0 +1,120 @@
+"""EngineReplica: one engine replica on Ray Serve — `twospeed serve` without the HTTP, behind the ingress.
+
+Each replica is a Ray actor (a Ray Serve deployment of one replica, engine-0 .. engine-N-1) holding a headless
+ServerState: the engine in its own thread (AsyncEngine), the lanes' SLOs judging every finished sequence, the
+Prometheus metrics and the dashboard's history as its listeners, worker threads for grammar compiles. It sets
+its own torch/OpenMP threads before the engine is built.
+
+The ingress calls:
+- generate(RoutedGroup) -> a stream: Admitted or Refused, then Batches of Deltas (wire.py). The request's
+  arrival is the ingress's (converted to this machine's clock), `routed` is its arrival here, so the clock's
+  ttft is measured from the ingress and route_time is the hop. Cancelling the stream aborts the sequences.
+- describe(), ping() (instance id, actor, load), metrics() (the Prometheus text), history(since).
+Ray Serve calls check_health() and restarts a replica whose engine thread died, or whose process did.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from functools import partial
+
+from twospeed.cluster.model_view import ReplicaFacts
+from twospeed.cluster.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
+from twospeed.config import EngineConfig
+from twospeed.server.async_engine import RequestGroup
+from twospeed.server.config import ServerConfig
+from twospeed.server.events import EngineEvent, LoadEvent
+from twospeed.server.state import ServerState
+
+
+class EngineReplica:
+    async def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, name: str, threads: int):
+        import torch
+
+        from twospeed.engine.engine import LLMEngine
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        self.name = name
+        self.instance = uuid.uuid4().hex[:12]
+        self.base = TimeBase()
+        self._kv_usage, self._cached_blocks = 0.0, 0
+        model_name = server_config.served_model_name or engine_config.model
+        self.state = ServerState(partial(LLMEngine, engine_config), server_config, model_name)
+        self.state.async_engine.listeners.append(self._on_event)
+        await self.state.start()
+
+    def _on_event(self, event: EngineEvent) -> None:
+        if isinstance(event, LoadEvent):
+            self._kv_usage, self._cached_blocks = event.kv_usage, event.cached_blocks
+
+    def load(self) -> Load:
+        engine = self.state.async_engine
+        return Load(engine.num_waiting, engine.num_running, self._kv_usage, self._cached_blocks)
+
+    # -- the ingress's calls --------------------------------------------------------------------
+    async def generate(self, routed: RoutedGroup):
+        now, route_time = time.monotonic(), max(0.0, time.time() - routed.arrival_unix)
+        group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, itl_target=routed.itl_target,
+                             routed_time=now)
+        state = self.state
+        try:
+            if state.draining:
+                raise ValueError(f"replica {self.name} is shutting down")
+            await self._compile(routed)
+            state.metrics.add_lane(routed.lane)
+            await state.async_engine.add(group)
+        except ValueError as e:
+            yield Refused(str(e), getattr(e, "param", None))
+            return
+        except RuntimeError as e:
+            yield Refused(f"the engine refused this request: {e}")
+            return
+        state.open_groups.add(group)
+        encoder = Encoder(self.base)
+        try:
+            yield Admitted(route_time, self.load())
+            while not group.done:
+                items = [await group.next()]
+                while not group.done and not group.queue.empty():  # whatever else is ready goes in the same message
+                    items.append(await group.next())
+                yield Batch([encoder.delta(item) for item in items], self.load())
+        finally:  # done, or cancelled by the ingress (the client left): abort what is left
+            state.release(group)
+
+    async def _compile(self, routed: RoutedGroup) -> None:
+        """The grammar compiled into this engine's cache in a worker thread, so the engine thread finds it built."""
+        spec = routed.specs[0].params.structured if routed.specs else None
+        if spec is not None:
+            await self.state.run(self.state.engine.grammars.compile, spec)
+
+    async def describe(self) -> ReplicaFacts:
+        engine = self.state.engine
+        return ReplicaFacts(self.name, self.instance, _actor_name(), socket.gethostname(), engine.config,
+                            engine.model_config, engine.dtype, engine.limits, engine.scheduler_config,
+                            engine.num_blocks, engine.eos_token_ids, self.state.kv_bytes_per_block)
+
+    async def ping(self) -> tuple[str, str, Load]:
+        return self.instance, _actor_name(), self.load()
+
+    async def metrics(self) -> str:
+        return self.state.metrics.render().decode()
+
+    async def history(self, since: float | None) -> dict:
+        return self.state.history.since(since)
+
+    def check_health(self) -> None:
+        if not self.state.async_engine.is_alive:
+            raise RuntimeError(f"replica {self.name}: the engine thread is not running")
+
+    async def __del__(self):
+        await self.state.stop()
+
+
+def _actor_name() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_actor_name() or ""
