@@ -286,6 +286,48 @@ def test_without_a_target_the_share_is_the_budget():
     assert out.prefill_budget == 15
 
 
+def test_prefill_cap_binds_a_stream_resuming_from_the_cache():
+    """Regression (TestSchedulerMachine, hypothesis seeds 1 and 2): a preempted stream whose KV stayed in the
+    prefix cache is readmitted from the waiting queue straight into its decode; the step then carries a decode,
+    so the prompt chunk admitted after it gets the cap, not what the budget leaves."""
+    sim = Sim(6, 4, max_num_batched_tokens=9, max_num_seqs=2, max_model_len=24, max_prefill_tokens_while_decoding=1)
+    a = sim.add("a", [3] * 11, 3)
+    assert chunks(sim.step()) == [("a", 0, 9)]
+    b = sim.add("b", [3, 3, 3, 4, 3, 3, 3, 3], 2)
+    assert chunks(sim.step()) == [("a", 9, 2), ("b", 0, 7)]  # nothing decodes yet: no cap
+    assert chunks(sim.step()) == [("a", 11, 1), ("b", 7, 1)]  # a decodes: b's chunk is capped at 1
+    out = sim.step()  # a needs its fourth block: b (latest) goes; its two full blocks stay cached
+    assert chunks(out) == [("a", 12, 1)] and out.preempted == [b] and a.is_finished
+    c = sim.add("c", [3, 3], 1)
+    out = sim.step()  # b resumes at its sampled token (a decode); c gets 1 prompt token beside it, not 2
+    assert chunks(out) == [("b", 8, 1), ("c", 0, 1)] and [ch.is_decode for ch in out.chunks] == [True, False]
+    assert chunks(sim.step()) == [("c", 1, 1)]
+    assert b.bill.recomputed_tokens == 0 and b.clock.decode_steps == 1 and c.bill.prefilled_tokens == 2
+    assert sim.kv.num_free_blocks == 6
+
+
+def test_stream_resuming_from_the_cache_waits_behind_a_prompt_over_the_cap():
+    """The other order: prompt tokens already past the cap (a recompute, no decode running) come first in the
+    waiting queue, so the cached stream behind it resumes a step later rather than break the cap."""
+    sim = Sim(3, 4, max_num_batched_tokens=12, max_num_seqs=2, max_model_len=12, max_prefill_tokens_while_decoding=2,
+              scheduling_policy="priority")
+    sim.add("a", [4, 4, 3, 4, 3, 4], 4, priority=0)
+    b = sim.add("b", [4, 4, 3, 4], 2, priority=2)
+    assert chunks(sim.step()) == [("a", 0, 6), ("b", 0, 4)]
+    out = sim.step()
+    assert chunks(out) == [("a", 6, 1)] and out.preempted == [b]
+    c = sim.add("c", [4, 4, 3, 4, 3, 4], 4, priority=1)
+    assert chunks(sim.step()) == [("a", 7, 1), ("c", 4, 2)]  # c hits b's cached block; capped beside a
+    out = sim.step()
+    assert chunks(out) == [("a", 8, 1)] and out.preempted == [c]
+    out = sim.step()  # c recomputes 3 tokens with no decode running; b (a decode) may not join them
+    assert chunks(out) == [("c", 4, 3)] and ids(sim.sched.waiting) == ["b"]
+    out = sim.step()
+    assert chunks(out) == [("c", 7, 1), ("b", 4, 1)] and all(ch.is_decode for ch in out.chunks)
+    sim.run()
+    assert b.bill.recomputed_tokens == 0 and c.bill.recomputed_tokens == 2 and sim.kv.num_free_blocks == 3
+
+
 def test_max_num_seqs_and_queue_time():
     sim = Sim(32, 4, max_num_batched_tokens=64, max_num_seqs=2)
     a, b, c = (sim.add(r, [r_i + 3, r_i + 4], 3) for r_i, r in enumerate("abc"))
@@ -489,6 +531,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
         self.aborted: set[str] = set()
         self.preempted_seen: set[str] = set()
+        self.clean = True  # False while a step or check runs: one that raised leaves it False for teardown
 
     @rule(base=st.integers(0, 1), prefix=st.integers(0, 24), suffix=st.lists(TOKENS, max_size=5),
           max_tokens=st.integers(1, 12), priority=st.integers(0, 3),
@@ -517,6 +560,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._step()
 
     def _step(self):
+        self.clean = False
         sched = self.sim.sched
         had_work = sched.has_unfinished()
         running_before = list(sched.running)
@@ -539,11 +583,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert c.samples, f"unchunked mode split {c}"
         for r in out.preempted:
             assert r not in [c.request for c in out.chunks]
+        self.clean = True
 
     @invariant()
     def blocks_are_accounted(self):
         if not hasattr(self, "sim"):
             return
+        self.clean = False
         kv, sched = self.sim.kv, self.sim.sched
         pool = kv.pool
         refs = Counter(b for rid in sched.requests for b in kv.block_ids(rid))
@@ -553,11 +599,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(free) == len(set(free))
         assert not any(pool.blocks[i].ref_cnt for i in free), "a referenced block is in the free queue"
         assert kv.num_free_blocks + len(refs) == kv.num_blocks, "leaked block"
+        self.clean = True
 
     @invariant()
     def requests_are_consistent(self):
         if not hasattr(self, "sim"):
             return
+        self.clean = False
         sched, kv, bs = self.sim.sched, self.sim.kv, self.sim.bs
         assert set(sched.requests) == {r.request_id for r in sched.waiting + sched.running}
         assert len(sched.running) <= self.sim.cfg.max_num_seqs
@@ -587,9 +635,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(r.output_token_ids) <= r.max_output_tokens
             if r.bill.recomputed_tokens:
                 assert r.num_preemptions > 0
+        self.clean = True
 
     def teardown(self):
-        if not hasattr(self, "sim"):
+        # Hypothesis calls teardown after a failure too; draining a half-updated state would replace the
+        # real failure with a confusing later one.
+        if not hasattr(self, "sim") or not self.clean:
             return
         sim = self.sim
         bound = 50 * sum(r.num_prompt_tokens + r.max_output_tokens for r in sim.reqs.values()) + 20
