@@ -363,6 +363,34 @@ def test_unchunked_never_splits_a_prompt():
     assert chunks(chunked.step()) == [("a", 0, 5), ("b", 0, 11)]
 
 
+def test_unchunked_admits_a_prompt_that_exactly_fills_the_room():
+    sim = Sim(64, 4, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    sim.add("a", [3, 4, 5, 6], 3)
+    sim.add("b", list(range(20, 32)), 2)
+    sim.add("c", list(range(40, 54)), 1)
+    assert chunks(sim.step()) == [("a", 0, 4), ("b", 0, 12)]  # 4 + 12 = the whole budget
+    assert chunks(sim.step()) == [("a", 4, 1), ("b", 12, 1), ("c", 0, 14)]  # two decodes + 14 = 16
+    assert chunks(sim.step()) == [("a", 5, 1)]
+    assert all(o.num_tokens == 16 for o in sim.outputs[:2])
+
+
+def test_a_preemption_gives_its_budget_back_to_the_step():
+    """Priority: v (priority 3) decodes first in the running order; d (priority 0) then needs a block and
+    preempts v, whose token is handed back, so p's prompt chunk gets 3 tokens, not 2."""
+    sim = Sim(5, 2, caching=False, max_num_batched_tokens=4, max_num_seqs=3, scheduling_policy="priority")
+    v = sim.add("v", [9, 6, 5, 4, 5], 3, priority=3)
+    assert chunks(sim.step()) == [("v", 0, 4)]
+    sim.add("p", [9, 7, 3, 4], 5, priority=1)
+    sim.add("d", [7, 6], 3, priority=0)
+    assert chunks(sim.step()) == [("v", 4, 1), ("d", 0, 2), ("p", 0, 1)] and sim.kv.num_free_blocks == 0
+    out = sim.step()
+    assert out.preempted == [v] and chunks(out) == [("d", 2, 1), ("p", 1, 3)] and out.num_tokens == 4
+    sim.run()
+    assert v.num_preemptions == 2 and sim.kv.num_free_blocks == 5
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+
+
 def _three_decoders(policy: str = "fcfs", priorities=(0, 0, 0)) -> Sim:
     """a, b, c with 4-token prompts on a 6-block pool of 4 tokens (no prefix caching): each holds 2
     blocks after their first decode; whoever crosses position 8 first forces a preemption."""
