@@ -14,7 +14,6 @@ import math
 from collections import Counter
 
 import pytest
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -138,6 +137,16 @@ def ids(reqs) -> list[str]:
 
 
 # --- exact expectations ------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                                   "max_prefill_tokens_while_decoding"])
+def test_scheduler_config_rejects_limits_below_one(field):
+    with pytest.raises(ValueError, match=">= 1"):
+        SchedulerConfig(**{field: 0})
+    SchedulerConfig(**{field: 1})
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerConfig(scheduling_policy="lifo")
 
 
 def test_token_budget_and_chunked_prefill():
