@@ -3,6 +3,8 @@ every derived field against its definition in docs/ARCHITECTURE.md, percentiles 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -73,5 +75,9 @@ def test_request_tokens_clock_and_eos():
     r.status = RequestStatus.FINISHED_LENGTH
     assert r.is_finished and r.finish_reason == "length"
     assert repr(r) == "Request('r', FINISHED_LENGTH, computed=0/4, prompt=2)"
-    ignore = Request("i", [1], SamplingParams(ignore_eos=True), eos_token_ids=frozenset({2}), max_output_tokens=1)
-    assert ignore.eos_token_ids == frozenset() and ignore.clock.arrival > 0  # monotonic now
+    assert (r.prompt, r.params, r.stop_reason, r.logprobs, r.num_preemptions, r.high_water) == (None, params, None,
+                                                                                                [], 0, 0)
+    ignore = Request("i", [1], SamplingParams(ignore_eos=True), prompt="hi", eos_token_ids=frozenset({2}),
+                     max_output_tokens=1)
+    assert ignore.eos_token_ids == frozenset() and ignore.prompt == "hi" and ignore.priority == 0
+    assert 0 < ignore.clock.arrival <= time.monotonic()  # no arrival time given: now
