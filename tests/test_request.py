@@ -58,8 +58,8 @@ def test_bill_as_dict_and_status():
              forced_tokens=6)
     assert b.as_dict() == {"prompt_tokens": 1, "cached_tokens": 2, "prefilled_tokens": 3, "output_tokens": 4,
                            "recomputed_tokens": 5, "forced_tokens": 6}
-    assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True]
-    assert [s.value for s in RequestStatus] == ["waiting", "running", "preempted", "stop", "length", "abort"]
+    assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True, True]
+    assert [s.value for s in RequestStatus] == ["waiting", "running", "preempted", "stop", "length", "abort", "error"]
 
 
 def test_request_tokens_clock_and_eos():

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from twospeed.engine.sampling_params import SamplingParams, StructuredOutput
+from twospeed.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams, StructuredOutput
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -49,7 +49,8 @@ def test_normalised_forms():
     assert SamplingParams(stop="END").stop == ["END"]
     p = SamplingParams(structured={"type": "object"})
     assert isinstance(p.structured, StructuredOutput) and p.structured.json == {"type": "object"}
-    assert SamplingParams(temperature=0.0).greedy and not SamplingParams(temperature=1e-9).greedy
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=GREEDY_TEMPERATURE / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
     d = SamplingParams()
     assert (d.max_tokens, d.min_tokens, d.temperature, d.top_k, d.top_p, d.min_p) == (16, 0, 1.0, 0, 1.0, 0.0)
     assert (d.seed, d.stop, d.stop_token_ids, d.logprobs, d.structured) == (None, [], [], None, None)
