@@ -521,11 +521,217 @@ def test_abort_returns_blocks_at_once():
     assert chunks(sim.step()) == [("a", 10, 1), ("b", 4, 2)]  # b's first block is a hit on a's
     assert sim.kv.block_ids("b")[0] == sim.kv.block_ids("a")[0] and sim.kv.num_free_blocks == 4
     assert b.bill.cached_tokens == 4 and b.bill.prefilled_tokens == 2
+    assert (sim.sched.prefix_queries, sim.sched.prefix_hits) == (10 + 6, 4)  # counted once, at first admission
+    with pytest.raises(ValueError, match="^request id 'b' is already in use$"):
+        sim.add("b", [1, 2], 1)
     sim.sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and a.clock.finished == sim.t
     assert sim.kv.block_ids("a") == [] and ids(sim.sched.running) == ["b"] and sim.kv.num_free_blocks == 6
     sim.run()
     assert b.status == RequestStatus.FINISHED_LENGTH and sim.kv.num_free_blocks == 8
+
+
+# --- traces pinned step by step -----------------------------------------------
+# Small workloads whose whole trace is fixed: each pins one rule that the mutation run (`make mutation`) found
+# no other test holding. steps: per step, (chunks, preempted); requests: (decode_steps, interfered_steps,
+# num_preemptions, cached_tokens, prefilled_tokens, recomputed_tokens).
+TRACES = [
+    pytest.param(  # a recompute chunk past the prompt that samples is not a decode (r0's decode_steps)
+        {'block_size': 1,
+         'max_model_len': 6,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 4,
+         'num_blocks': 6,
+         'scheduling_policy': 'priority'},
+        [('add', [5], 5, 3), ('add', [3], 5, 1)],
+        [([('r1', 0, 1), ('r0', 0, 1)], []), ([('r1', 1, 1), ('r0', 1, 1)], []), ([('r1', 2, 1), ('r0', 2, 1)], []),
+         ([('r1', 3, 1)], ['r0']), ([('r1', 4, 1)], []), ([('r0', 1, 3)], []), ([('r0', 4, 1)], [])],
+        {'r0': (3, 0, 1, 0, 1, 2), 'r1': (4, 0, 0, 0, 1, 0)},
+        1, id='recompute_past_the_prompt'),
+    pytest.param(  # a budget of one token still decodes every step
+        {'block_size': 1,
+         'max_model_len': 8,
+         'max_num_batched_tokens': 1,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 2,
+         'num_blocks': 8},
+        [('step',), ('add', [4, 3], 5, 2)],
+        [([], []), ([('r0', 0, 1)], []), ([('r0', 1, 1)], []), ([('r0', 2, 1)], []), ([('r0', 3, 1)], []),
+         ([('r0', 4, 1)], []), ([('r0', 5, 1)], [])],
+        {'r0': (4, 0, 0, 0, 2, 0)},
+        0, id='budget_of_one'),
+    pytest.param(  # without chunking the cap does not apply: r1's whole prompt joins r0's decode
+        {'block_size': 4,
+         'caching': False,
+         'enable_chunked_prefill': False,
+         'max_model_len': 28,
+         'max_num_batched_tokens': 28,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 5,
+         'num_blocks': 7},
+        [('add', [4, 3, 4, 4, 3], 4, 1), ('step',), ('step',), ('add', [6, 4, 4, 5, 3, 6, 4, 9], 3, 0)],
+        [([('r0', 0, 5)], []), ([('r0', 5, 1)], []), ([('r0', 6, 1), ('r1', 0, 8)], []),
+         ([('r0', 7, 1), ('r1', 8, 1)], []), ([('r1', 9, 1)], [])],
+        {'r0': (3, 1, 0, 0, 5, 0), 'r1': (2, 0, 0, 0, 8, 0)},
+        0, id='unchunked_ignores_the_cap'),
+    pytest.param(  # a prompt chunk's allocation preempts (the prompts loop hands `out` on)
+        {'block_size': 4,
+         'max_model_len': 16,
+         'max_num_batched_tokens': 3,
+         'max_num_seqs': 2,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 4},
+        [('add', [4, 4, 3, 3, 3], 8, 0), ('add', [4, 4, 3, 3, 3, 4], 6, 2)],
+        [([('r0', 0, 3)], []), ([('r0', 3, 2), ('r1', 0, 1)], []), ([('r0', 5, 1), ('r1', 1, 1)], []),
+         ([('r0', 6, 1), ('r1', 2, 1)], []), ([('r0', 7, 1), ('r1', 3, 1)], []), ([('r0', 8, 1)], ['r1']),
+         ([('r0', 9, 1), ('r1', 4, 1)], []), ([('r0', 10, 1), ('r1', 5, 1)], []),
+         ([('r0', 11, 1), ('r1', 6, 1)], []), ([('r1', 7, 1)], []), ([('r1', 8, 1)], []), ([('r1', 9, 1)], []),
+         ([('r1', 10, 1)], [])],
+        {'r0': (7, 5, 0, 0, 5, 0), 'r1': (5, 0, 1, 0, 6, 0)},
+        1, id='prompt_chunk_preempts'),
+    pytest.param(  # a running prompt chunk and the admissions after it share one cap
+        {'block_size': 4,
+         'max_model_len': 36,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 9,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 3], 4, 1), ('add', [4, 4], 7, 0), ('add', [4, 4, 3, 4, 3, 3, 3, 4, 3, 3, 3, 3], 2, 3),
+         ('step',)],
+        [([('r1', 0, 2), ('r0', 0, 2)], []), ([('r1', 2, 1), ('r0', 2, 1)], []),
+         ([('r1', 3, 1), ('r0', 3, 1), ('r2', 0, 1)], []), ([('r1', 4, 1), ('r0', 4, 1), ('r2', 1, 1)], []),
+         ([('r1', 5, 1), ('r0', 5, 1), ('r2', 2, 1)], []), ([('r1', 6, 1), ('r2', 3, 1)], []),
+         ([('r1', 7, 1), ('r2', 4, 1)], []), ([('r2', 5, 4)], []), ([('r2', 9, 3)], []), ([('r2', 12, 1)], [])],
+        {'r0': (3, 3, 0, 0, 3, 0), 'r1': (6, 6, 0, 0, 2, 0), 'r2': (1, 0, 0, 0, 12, 0)},
+        0, id='cap_shared_running_then_waiting'),
+    pytest.param(  # admissions beside decodes share one cap
+        {'block_size': 4,
+         'max_model_len': 28,
+         'max_num_batched_tokens': 8,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 7},
+        [('add', [4, 3, 4, 4, 4, 3, 3], 7, 2), ('add', [9, 9, 8], 6, 0),
+         ('add', [3, 7, 5, 6, 9, 7, 6, 5, 3, 9, 3], 5, 3), ('add', [6], 2, 0)],
+        [([('r0', 0, 7), ('r1', 0, 1)], []), ([('r0', 7, 1), ('r1', 1, 1)], []), ([('r0', 8, 1), ('r1', 2, 1)], []),
+         ([('r0', 9, 1), ('r1', 3, 1), ('r2', 0, 1)], []), ([('r0', 10, 1), ('r1', 4, 1), ('r2', 1, 1)], []),
+         ([('r0', 11, 1), ('r1', 5, 1), ('r2', 2, 1)], []), ([('r0', 12, 1), ('r1', 6, 1), ('r2', 3, 1)], []),
+         ([('r1', 7, 1), ('r2', 4, 1)], []), ([('r2', 5, 6), ('r3', 0, 1)], []),
+         ([('r2', 11, 1), ('r3', 1, 1)], []), ([('r2', 12, 1)], []), ([('r2', 13, 1)], []), ([('r2', 14, 1)], [])],
+        {'r0': (6, 6, 0, 0, 7, 0), 'r1': (5, 5, 0, 0, 3, 0), 'r2': (4, 0, 0, 0, 11, 0), 'r3': (1, 0, 0, 0, 1, 0)},
+        0, id='cap_shared_between_admissions'),
+    pytest.param(  # each admission spends the step's budget
+        {'block_size': 2,
+         'max_model_len': 18,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 4,
+         'max_prefill_tokens_while_decoding': 3,
+         'num_blocks': 9},
+        [('add', [3, 4, 4, 3, 3, 4, 3, 3, 4, 3, 4], 6, 3), ('add', [9], 3, 0), ('add', [3, 4], 5, 3),
+         ('add', [8, 3, 9, 6, 4, 3, 5, 9, 5, 8], 6, 0), ('step',), ('step',)],
+        [([('r0', 0, 4)], []), ([('r0', 4, 4)], []), ([('r0', 8, 3), ('r1', 0, 1)], []),
+         ([('r0', 11, 1), ('r1', 1, 1), ('r2', 0, 2)], []), ([('r0', 12, 1), ('r1', 2, 1)], ['r2']),
+         ([('r0', 13, 1), ('r2', 2, 1), ('r3', 0, 2)], []), ([('r0', 14, 1), ('r2', 3, 1)], ['r3']),
+         ([('r0', 15, 1)], ['r2']), ([('r2', 4, 1), ('r3', 0, 3)], []), ([('r2', 5, 1), ('r3', 3, 3)], []),
+         ([('r3', 6, 4)], []), ([('r3', 10, 1)], []), ([('r3', 11, 1)], []), ([('r3', 12, 1)], []),
+         ([('r3', 13, 1)], []), ([('r3', 14, 1)], [])],
+        {'r0': (5, 2, 0, 0, 11, 0), 'r1': (2, 1, 0, 0, 1, 0), 'r2': (4, 3, 2, 0, 2, 0), 'r3': (5, 0, 1, 0, 10, 2)},
+        3, id='admissions_spend_the_budget'),
+    pytest.param(  # a request that preempts itself takes no budget; an unscheduled victim gives none back
+        {'block_size': 4,
+         'caching': False,
+         'max_model_len': 16,
+         'max_num_batched_tokens': 9,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 4,
+         'scheduling_policy': 'priority'},
+        [('step',), ('add', [4, 9, 5, 6, 9, 4, 5, 8, 9, 7], 5, 1), ('step',),
+         ('add', [3, 3, 3, 3, 3, 3, 4, 4, 4, 3, 4, 4], 2, 0)],
+        [([], []), ([('r0', 0, 9)], []), ([('r0', 9, 1)], []), ([('r0', 10, 1), ('r1', 0, 1)], []),
+         ([('r0', 11, 1), ('r1', 1, 1)], []), ([('r1', 2, 9)], ['r0']), ([('r1', 11, 1)], []),
+         ([('r1', 12, 1)], []), ([('r0', 0, 9)], []), ([('r0', 9, 4)], []), ([('r0', 13, 1)], [])],
+        {'r0': (3, 2, 1, 0, 10, 12), 'r1': (1, 0, 0, 0, 12, 0)},
+        1, id='self_preemption_gives_back_nothing'),
+    pytest.param(  # a one-token prefill chunk beside a decode counts as interference
+        {'block_size': 1, 'max_model_len': 8, 'max_num_batched_tokens': 5, 'max_num_seqs': 2, 'num_blocks': 8},
+        [('add', [4, 4], 2, 2), ('add', [4, 4, 3, 3], 3, 0)],
+        [([('r0', 0, 2), ('r1', 0, 3)], []), ([('r0', 2, 1), ('r1', 3, 1)], []), ([('r1', 4, 1)], []),
+         ([('r1', 5, 1)], [])],
+        {'r0': (1, 1, 0, 0, 2, 0), 'r1': (2, 0, 0, 0, 4, 0)},
+        0, id='one_prefill_token_interferes'),
+    pytest.param(  # a recompute is a prompt chunk: capped beside decodes, never in the decode loop
+        {'block_size': 1,
+         'caching': False,
+         'max_model_len': 8,
+         'max_num_batched_tokens': 7,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 8,
+         'scheduling_policy': 'priority'},
+        [('add', [3, 4, 4, 4, 4], 3, 2), ('step',), ('add', [3, 4, 4, 4, 4], 1, 1), ('add', [5, 8], 6, 1)],
+        [([('r0', 0, 5)], []), ([('r0', 5, 1), ('r1', 0, 1)], []), ([('r1', 1, 1)], ['r0']),
+         ([('r1', 2, 3), ('r2', 0, 2)], []), ([('r2', 2, 1), ('r0', 0, 1)], []), ([('r2', 3, 1), ('r0', 1, 1)], []),
+         ([('r2', 4, 1), ('r0', 2, 1)], []), ([('r2', 5, 1)], ['r0']), ([('r2', 6, 1), ('r0', 0, 1)], []),
+         ([('r0', 1, 6)], [])],
+        {'r0': (1, 1, 2, 0, 5, 9), 'r1': (0, 0, 0, 0, 5, 0), 'r2': (5, 4, 0, 0, 2, 0)},
+        2, id='recompute_is_capped_beside_decodes'),
+    pytest.param(  # a prefix hit at readmission adds to the first one's cached_tokens (r0: 4, not 0)
+        {'block_size': 2,
+         'max_model_len': 12,
+         'max_num_batched_tokens': 3,
+         'max_num_seqs': 4,
+         'max_prefill_tokens_while_decoding': 5,
+         'num_blocks': 6,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 4, 3, 3, 3, 3], 3, 3), ('add', [8, 9, 3, 5], 5, 2), ('add', [4, 4, 4, 3, 3], 6, 0)],
+        [([('r2', 0, 3)], []), ([('r2', 3, 2), ('r1', 0, 1)], []), ([('r2', 5, 1), ('r1', 1, 2)], []),
+         ([('r2', 6, 1), ('r1', 3, 1)], []), ([('r2', 7, 1)], ['r1']), ([('r2', 8, 1)], []), ([('r2', 9, 1)], []),
+         ([('r1', 2, 3)], []), ([('r1', 5, 1), ('r0', 4, 2)], []), ([('r1', 6, 1)], ['r0']), ([('r1', 7, 1)], []),
+         ([('r0', 4, 3)], []), ([('r0', 7, 1)], []), ([('r0', 8, 1)], [])],
+        {'r0': (2, 0, 1, 4, 3, 2), 'r1': (3, 1, 1, 0, 4, 2), 'r2': (5, 2, 0, 0, 5, 0)},
+        2, id='cache_hits_add_up'),
+    pytest.param(  # a resuming stream joins when the prompt tokens already placed equal the cap
+        {'block_size': 4,
+         'max_model_len': 12,
+         'max_num_batched_tokens': 12,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 3,
+         'num_blocks': 3,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 3, 4, 3, 4], 4, 0), ('add', [4, 4, 3, 4], 2, 2), ('step',), ('step',),
+         ('add', [4, 4, 3, 4, 3, 4], 4, 1), ('add', [7, 8, 9], 1, 3)],
+        [([('r0', 0, 6), ('r1', 0, 4)], []), ([('r0', 6, 1)], ['r1']), ([('r0', 7, 1), ('r2', 4, 2)], []),
+         ([('r0', 8, 1)], ['r2']), ([('r2', 4, 3), ('r1', 4, 1)], []), ([('r2', 7, 1), ('r3', 0, 3)], []),
+         ([('r2', 8, 1)], [])],
+        {'r0': (3, 1, 0, 0, 6, 0), 'r1': (1, 1, 1, 0, 4, 0), 'r2': (2, 1, 1, 4, 2, 2), 'r3': (0, 0, 0, 0, 3, 0)},
+        2, id='resume_joins_at_exactly_the_cap'),
+]
+
+
+@pytest.mark.parametrize("args, ops, steps, requests, preemptions", TRACES)
+def test_pinned_trace(args, ops, steps, requests, preemptions):
+    args = dict(args)
+    sim = Sim(args.pop("num_blocks"), args.pop("block_size"), args.pop("caching", True), **args)
+    got = []
+    for i, op in enumerate(ops):
+        if op[0] == "add":
+            sim.add(f"r{sum(o[0] == 'add' for o in ops[:i])}", *op[1:3], priority=op[3])
+        else:
+            out = sim.step()
+            got.append((chunks(out), ids(out.preempted)))
+    while sim.sched.has_unfinished() and len(got) < 4 * len(steps):
+        out = sim.step()
+        got.append((chunks(out), ids(out.preempted)))
+    assert [tuple(map(list, g)) for g in got] == [tuple(map(list, s)) for s in steps]
+    assert {r.request_id: (r.clock.decode_steps, r.clock.interfered_steps, r.num_preemptions, r.bill.cached_tokens,
+                           r.bill.prefilled_tokens, r.bill.recomputed_tokens) for r in sim.reqs.values()} == requests
+    assert sim.sched.num_preemptions == preemptions == sum(r.num_preemptions for r in sim.reqs.values())
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+    # nothing is left behind: no request, arrival number or block
+    assert not sim.sched.requests and not sim.sched._arrival_seq and sim.kv.num_free_blocks == sim.kv.num_blocks
 
 
 # --- random operations -------------------------------------------------------
