@@ -75,7 +75,7 @@ def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
         assert torch.equal(kernel(wide), y)
 
 
-@needs_kernel
+@needs_linear_kernel
 def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     lin, _ = bf16_linear((64, 130), False, 1, 0)
     packed = PackedLinear.from_linear(lin, "cpu")

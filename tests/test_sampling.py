@@ -52,6 +52,8 @@ def allowed_mask(logits: torch.Tensor, p: SamplingParams, tol: float = 1e-5) -> 
         ok &= above < p.top_p + tol
     if p.min_p > 0:
         ok &= (z - z.max()).double() >= math.log(p.min_p) - tol  # the most likely token survives top-k and top-p
+    if tol < 0:  # a token e^-80 below the top has probability 0 in float32 (the sampler's softmax) anyway
+        ok &= (z - z.max()).double() > -80
     return ok
 
 
