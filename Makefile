@@ -35,7 +35,7 @@ fuzz: $(STAMP)
 	done
 
 # Mutation testing (mutmut) of the torch-free bookkeeping against its fast tests ([tool.mutmut] in
-# pyproject.toml); about 15 minutes on two cores. Survivors: `.venv/bin/mutmut results`, `mutmut show NAME`.
+# pyproject.toml); 45 minutes or so on two busy cores. Survivors: `.venv/bin/mutmut results`, `mutmut show NAME`.
 MUTATION_JOBS ?= 2
 mutation: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[mutation]"
