@@ -24,7 +24,7 @@ def test_derived_clock_fields():
     assert c.itl == [0.0, 0.5, 1.5]  # tokens emitted in the same step have gap 0
     assert c.tpot == pytest.approx((4.0 - 1.5) / 3)
     s = c.summary()
-    assert s == {"queue_time": 0.5, "prefill_time": 0.75, "ttft": 1.5, "itl_p50": 0.5,
+    assert s == {"queue_time": 0.5, "route_time": None, "prefill_time": 0.75, "ttft": 1.5, "itl_p50": 0.5,
                  "itl_p99": pytest.approx(np.percentile([0.0, 0.5, 1.5], 99)), "itl_max": 1.5,
                  "tpot": pytest.approx(2.5 / 3), "ttlt": 4.0}
 
@@ -36,7 +36,9 @@ def test_missing_timestamps_give_none():
     c.prefill_done = 2.0  # without first_scheduled there is no prefill time
     assert c.prefill_time is None
     c = Clock(arrival=1.0, first_scheduled=1.5)
-    assert c.queue_time == 0.5 and c.prefill_time is None
+    assert c.queue_time == 0.5 and c.prefill_time is None and c.route_time is None
+    routed = Clock(arrival=1.0, routed=1.25, first_scheduled=1.5)
+    assert routed.route_time == 0.25 and routed.queue_time == 0.5 and routed.summary()["route_time"] == 0.25
     one = Clock(arrival=0.0, first_token=1.0, token_times=[1.0], finished=2.0)
     assert one.tpot is None and one.ttlt == 2.0  # one token: no time per output token
     two = Clock(arrival=0.0, first_token=1.0, token_times=[1.0, 3.0])
