@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test fuzz mutation bench clean
 
 # One install for both targets: the project, its test extras and the cluster extra (Ray Serve, for
 # `serve --replicas` and its tests), and torch pinned first so that nothing can pull a CUDA build.
@@ -20,11 +20,31 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 
+# The suite, hypothesis under its derandomized `ci` profile (tests/conftest.py): the same examples every run.
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The wide randomized search: the hypothesis tests once per seed, 1..FUZZ_SEEDS, under the `fuzz` profile.
+# A failure names its seed; `pytest -m hypothesis --hypothesis-profile=fuzz --hypothesis-seed=N` replays it.
+FUZZ_SEEDS ?= 20
+fuzz: $(STAMP)
+	@for seed in $$(seq 1 $(FUZZ_SEEDS)); do \
+		echo "hypothesis seed $$seed"; \
+		OMP_NUM_THREADS=1 $(PY) -m pytest -m hypothesis -q -p no:cacheprovider --hypothesis-profile=fuzz \
+			--hypothesis-seed=$$seed || exit 1; \
+	done
+
+# Mutation testing (mutmut) of the torch-free bookkeeping against its fast tests ([tool.mutmut] in
+# pyproject.toml); 45 minutes or so on two busy cores. Survivors: `.venv/bin/mutmut results`, `mutmut show NAME`.
+MUTATION_JOBS ?= 2
+mutation: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[mutation]"
+	rm -rf mutants
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS)
+	$(VENV)/bin/mutmut results
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis mutants

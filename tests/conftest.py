@@ -6,8 +6,20 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Hypothesis profiles. `ci` (the default) is derandomized: every run of a commit draws the same examples, so the
+# suite's colour never depends on a seed, and no example database carries state between runs. `fuzz` is the
+# wide randomized search: `make fuzz` (or `pytest -m hypothesis --hypothesis-profile=fuzz --hypothesis-seed=N`)
+# runs the hypothesis tests once per seed; a failure prints its seed and a @reproduce_failure blob. Each test
+# keeps its own max_examples; neither profile sets a deadline, and slow data generation is not a failure,
+# so a slower or busier machine cannot turn a test red.
+_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", derandomize=True, database=None, **_COMMON)
+settings.register_profile("fuzz", derandomize=False, **_COMMON)
+settings.load_profile("ci")  # `--hypothesis-profile` on the command line loads after this and wins
 torch.set_num_threads(1)  # tiny models: threads only add sync cost (and spin when cores are shared)
 
 # Odd shapes on purpose: head_dim not a power of two, kv heads != heads, hidden != heads * head_dim.
@@ -27,6 +39,14 @@ ARCH_CONFIGS = {
         hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
         head_dim=14, vocab_size=289, max_position_embeddings=512, tie_word_embeddings=False)),
 }
+
+
+def needs_kernel(loader, name: str) -> pytest.MarkDecorator:
+    """Skip where csrc/<name>.c is unsupported here, with cbuild's reason (no compiler, no instructions). A kernel
+    that should build and does not raises KernelBuildError from `loader()` instead: collection fails, loudly."""
+    from twospeed.model.cbuild import unsupported_reason
+
+    return pytest.mark.skipif(loader() is None, reason=f"kernel {name} unsupported here: {unsupported_reason(name)}")
 
 
 def write_hf_checkpoint(path, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

@@ -8,11 +8,13 @@ import random
 import pytest
 import torch
 
+from conftest import needs_kernel
 from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, TorchPagedAttention,
                                       causal_mask, decode_mask)
+from twospeed.model.cbuild import unsupported_reason
 from twospeed.model.cpu_attention import CpuPagedAttention, load_kernel, load_bf16_kernel, make_attention
 
-pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the kernel cannot be built")
+pytestmark = needs_kernel(load_kernel, "paged_attention")
 
 
 def decode_batch(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -59,7 +61,7 @@ def test_kernel_matches_portable_decode(case, dtype, avx512_bf16):
     expected = TorchPagedAttention(heads, kv_heads, head_dim).forward(*args[:3], *ref_cache, args[5])
     attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
     if avx512_bf16 and attn.bf16_kernel is None:
-        pytest.skip("no AVX-512 BF16 kernel on this CPU")
+        pytest.skip(f"kernel attention_bf16 unsupported here: {unsupported_reason('attention_bf16')}")
     if not avx512_bf16:
         attn.bf16_kernel = None  # the portable C kernel (csrc/paged_attention.c)
     got = attn.forward(*args)
@@ -166,7 +168,7 @@ PREFILL_CASES = [  # spans (context_len, num_tokens), decodes, heads, kv_heads, 
 ]
 
 
-@pytest.mark.skipif(load_bf16_kernel() is None, reason="no AVX-512 BF16: the prefill kernel cannot be built")
+@needs_kernel(load_bf16_kernel, "attention_bf16")
 @pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
 def test_prefill_kernel_matches_portable(case, monkeypatch):
     args = prefill_batch(*PREFILL_CASES[case], seed=case)
@@ -183,7 +185,7 @@ def test_prefill_kernel_matches_portable(case, monkeypatch):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(load_bf16_kernel() is None, reason="no AVX-512 BF16: the fused kernels cannot be built")
+@needs_kernel(load_bf16_kernel, "attention_bf16")
 @pytest.mark.parametrize("case", [2, 3, 4])
 def test_fused_rope_and_cache_write_match_the_unfused_path(case):
     """forward_fused(qkv) == forward(apply_rope(q), apply_rope(k), v): the same output and the same cache bits."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import needs_kernel
 from twospeed.model.fused_ops import fused_kernel, rms_norm, silu_mul
 
-pytestmark = pytest.mark.skipif(fused_kernel() is None, reason="no C compiler or no AVX-512 BF16 on this CPU")
+pytestmark = needs_kernel(fused_kernel, "fused_bf16")
 
 
 def one_step(a: torch.Tensor, b: torch.Tensor) -> bool:

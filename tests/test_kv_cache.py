@@ -216,21 +216,41 @@ def test_free_unknown_double_free_and_stale_prefix():
     blocks = [m.pool.blocks[i] for i in m.block_ids("a")]
     m.free("a")
     m.free("a")  # already forgotten: no-op
-    with pytest.raises((AssertionError, RuntimeError)):
+    with pytest.raises(RuntimeError, match=f"^double free of block {blocks[0].block_id}$"):
         m.pool.free_blocks(blocks)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^asked for 11 blocks, only 10 free$"):
         m.pool.get_new_blocks(11)
 
     cached = m.find_cached_prefix(B + [1])
     assert m.allocate_slots("evictor", 40)  # evicts everything, including the hit
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=rf"^cached block 0 \({cached[0].block_id}\) is no longer cached$"):
         m.allocate_slots("late", 9, cached)
+    with pytest.raises(ValueError, match="^cached_blocks given for 'evictor', which already has blocks$"):
+        m.allocate_slots("evictor", 41, m.find_cached_prefix(A + [1]) or [m.pool.blocks[0]])
+    with pytest.raises(ValueError, match="^'evictor': 11 full blocks but only 10 allocated$"):
+        m.cache_full_blocks("evictor", list(range(44)), 44)
+    m.free("evictor")
+    assert m._tables == {} and m._hashes == {}  # nothing kept for requests that are gone
+
+
+def test_sizes_must_be_positive():
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"^num_blocks must be positive, got {bad}$"):
+            BlockPool(bad)
+        with pytest.raises(ValueError, match=f"^block_size must be positive, got {bad}$"):
+            KVCacheManager(4, bad)
+    assert BlockPool(1).num_free_blocks == 1 and KVCacheManager(1, 1).block_size == 1
 
 
 def test_caching_disabled():
     m = make(enable_caching=False)
+    assert not m.pool.enable_caching
     admit(m, "a", A)
     assert m.num_cached_blocks == 0
+    pool = BlockPool(2, enable_caching=False)  # the pool alone refuses to register, too
+    [block] = pool.get_new_blocks(1)
+    pool.cache_block(block, hash_block_tokens(None, A[:BS]))
+    assert block.block_hash is None and pool.num_cached_blocks == 0
     assert m.find_cached_prefix(A + [1]) == []
     m.free("a")
     assert m.num_free_blocks == 10

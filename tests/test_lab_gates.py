@@ -3,7 +3,7 @@
 import jsonschema
 import pytest
 
-from twospeed.lab.gates import GATES, check_config, run_gate
+from twospeed.lab.gates import GATES, GateResult, check_config, run_gate
 
 TOOL_SCHEMA = {"type": "object", "required": ["tool", "arguments"],
                "properties": {"tool": {"enum": ["lookup_order"]}, "arguments": {"type": "object"}}}
@@ -67,3 +67,39 @@ def test_none_and_config_checks():
         check_config({"type": "json_schema"})
     with pytest.raises(jsonschema.SchemaError):
         check_config({"type": "json_schema", "schema": {"type": "objekt"}})
+
+
+def test_failures_say_why():
+    """The reason is what the report shows for a failed request: each gate's exact verdict."""
+    meta = {"passage_ids": ["P003"]}
+    assert run_gate({"type": "json"}, "nope", {}) == GateResult(False, "not JSON: Expecting value: line 1 column 1 "
+                                                                       "(char 0)")
+    assert run_gate({"type": "json"}, '```\n{"a":\n 1}\n```', {}) == GateResult(True)  # a fence over lines
+    assert run_gate({"type": "citation"}, "[P003] [P999] [P777]", meta) == GateResult(
+        False, "cites passages not in the prompt: P777, P999")
+    assert run_gate({"type": "citation"}, "[P003] [P999]", {}) == GateResult(
+        False, "cites passages not in the prompt: P003, P999")  # no passage ids: nothing is known
+    assert run_gate({"type": "citation"}, "none", meta) == GateResult(False, "cites 0 passage(s), needs 1")
+    assert run_gate({"type": "citation"}, "[P003] twice [P003]", meta) == GateResult(True)  # the default: one
+    assert run_gate({"type": "allowed_codes"}, "X", {}) == GateResult(False, "no allowed codes configured")
+    codes = {"type": "allowed_codes", "codes": ["A"], "field": "code"}
+    assert run_gate(codes, "A", {}).reason.startswith("not JSON: ") and not run_gate(codes, "A", {}).passed
+    assert run_gate(codes, '{"kode": "A"}', {}) == GateResult(False, "no field 'code'")
+    assert run_gate(codes, "[1]", {}) == GateResult(False, "no field 'code'")
+    long = "Z" * 50
+    assert run_gate({"type": "allowed_codes", "codes": ["A"]}, long, {}) == GateResult(
+        False, f"{'Z' * 40!r} not an allowed code")
+    assert run_gate({"type": "refusal"}, "I cannot help with that.", {}) == GateResult(False, "refused")
+    assert run_gate({"type": "refusal", "expect": True}, "Sure.", {}) == GateResult(False, "did not refuse")
+    assert run_gate({}, "anything", {}) == GateResult(True)  # no type: the none gate
+
+
+def test_config_checks_name_the_problem():
+    check_config({})  # no type: none
+    check_config({"type": "json_schema", "schema": TOOL_SCHEMA})
+    with pytest.raises(ValueError, match=r"^gate json_schema needs a 'schema'$"):
+        check_config({"type": "json_schema"})
+    with pytest.raises(ValueError, match=r"unknown gate 'x'; expected one of \['allowed_codes', 'citation'"):
+        check_config({"type": "x"})
+    with pytest.raises(jsonschema.SchemaError):  # the schema is checked, not only its presence
+        check_config({"type": "json_schema", "schema": {"minLength": -1}})

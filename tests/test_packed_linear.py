@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ARCH_CONFIGS, write_hf_checkpoint
+from conftest import ARCH_CONFIGS, needs_kernel, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
 from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, PackedLinear, can_use_onednn, has_amx, linear_kernel,
                                           resolve_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
-needs_kernel = pytest.mark.skipif(linear_kernel() is None, reason="no C compiler or no AVX-512 BF16 on this CPU")
+needs_linear_kernel = needs_kernel(linear_kernel, "linear_bf16")
 
 SHAPES = [((40, 72), False), ((72, 40), True), ((768, 2048), False), ((13, 301), True), ((14, 301), True),
           ((64, 130), False)]
@@ -54,7 +54,7 @@ def test_onednn_packing_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
     assert within_one_rounding(F.linear(x, lin.weight, lin.bias), x, lin)  # the bound is the portable path's own
 
 
-@needs_kernel
+@needs_linear_kernel
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 13, 64, 300])
 @pytest.mark.parametrize("shape,bias", SHAPES)
 def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
@@ -75,7 +75,7 @@ def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
         assert torch.equal(kernel(wide), y)
 
 
-@needs_kernel
+@needs_linear_kernel
 def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     lin, _ = bf16_linear((64, 130), False, 1, 0)
     packed = PackedLinear.from_linear(lin, "cpu")
@@ -88,7 +88,7 @@ def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     assert torch.equal(packed(many), onednn(many))
 
 
-@needs_kernel
+@needs_linear_kernel
 def test_kernel_catches_a_wrong_weight():
     """The reference check is not vacuous: one changed weight moves outputs by more than a rounding."""
     lin, x = bf16_linear((64, 130), False, 9, 0)
@@ -106,7 +106,7 @@ def test_backend_names_are_checked():
         resolve_linear_backend("cpu", "cpu", torch.float32)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_kernel), pytest.param("onednn", marks=needs_onednn)])
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_linear_kernel), pytest.param("onednn", marks=needs_onednn)])
 def test_packed_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path, backend):
     write_hf_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     plain = load_model(tmp_path, torch.bfloat16, linear_backend="torch")
@@ -142,7 +142,7 @@ def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
 
 
-@needs_kernel
+@needs_linear_kernel
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_engine_with_the_kernel_agrees_with_the_portable_path(tmp_path, arch):
     """Greedy tokens equal, or at the first difference a near tie: each side's token in the other's top 3."""

@@ -14,7 +14,6 @@ import math
 from collections import Counter
 
 import pytest
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -138,6 +137,16 @@ def ids(reqs) -> list[str]:
 
 
 # --- exact expectations ------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                                   "max_prefill_tokens_while_decoding"])
+def test_scheduler_config_rejects_limits_below_one(field):
+    with pytest.raises(ValueError, match=">= 1"):
+        SchedulerConfig(**{field: 0})
+    SchedulerConfig(**{field: 1})
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        SchedulerConfig(scheduling_policy="lifo")
 
 
 def test_token_budget_and_chunked_prefill():
@@ -286,6 +295,48 @@ def test_without_a_target_the_share_is_the_budget():
     assert out.prefill_budget == 15
 
 
+def test_prefill_cap_binds_a_stream_resuming_from_the_cache():
+    """Regression (TestSchedulerMachine, hypothesis seeds 1 and 2): a preempted stream whose KV stayed in the
+    prefix cache is readmitted from the waiting queue straight into its decode; the step then carries a decode,
+    so the prompt chunk admitted after it gets the cap, not what the budget leaves."""
+    sim = Sim(6, 4, max_num_batched_tokens=9, max_num_seqs=2, max_model_len=24, max_prefill_tokens_while_decoding=1)
+    a = sim.add("a", [3] * 11, 3)
+    assert chunks(sim.step()) == [("a", 0, 9)]
+    b = sim.add("b", [3, 3, 3, 4, 3, 3, 3, 3], 2)
+    assert chunks(sim.step()) == [("a", 9, 2), ("b", 0, 7)]  # nothing decodes yet: no cap
+    assert chunks(sim.step()) == [("a", 11, 1), ("b", 7, 1)]  # a decodes: b's chunk is capped at 1
+    out = sim.step()  # a needs its fourth block: b (latest) goes; its two full blocks stay cached
+    assert chunks(out) == [("a", 12, 1)] and out.preempted == [b] and a.is_finished
+    c = sim.add("c", [3, 3], 1)
+    out = sim.step()  # b resumes at its sampled token (a decode); c gets 1 prompt token beside it, not 2
+    assert chunks(out) == [("b", 8, 1), ("c", 0, 1)] and [ch.is_decode for ch in out.chunks] == [True, False]
+    assert chunks(sim.step()) == [("c", 1, 1)]
+    assert b.bill.recomputed_tokens == 0 and b.clock.decode_steps == 1 and c.bill.prefilled_tokens == 2
+    assert sim.kv.num_free_blocks == 6
+
+
+def test_stream_resuming_from_the_cache_waits_behind_a_prompt_over_the_cap():
+    """The other order: prompt tokens already past the cap (a recompute, no decode running) come first in the
+    waiting queue, so the cached stream behind it resumes a step later rather than break the cap."""
+    sim = Sim(3, 4, max_num_batched_tokens=12, max_num_seqs=2, max_model_len=12, max_prefill_tokens_while_decoding=2,
+              scheduling_policy="priority")
+    sim.add("a", [4, 4, 3, 4, 3, 4], 4, priority=0)
+    b = sim.add("b", [4, 4, 3, 4], 2, priority=2)
+    assert chunks(sim.step()) == [("a", 0, 6), ("b", 0, 4)]
+    out = sim.step()
+    assert chunks(out) == [("a", 6, 1)] and out.preempted == [b]
+    c = sim.add("c", [4, 4, 3, 4, 3, 4], 4, priority=1)
+    assert chunks(sim.step()) == [("a", 7, 1), ("c", 4, 2)]  # c hits b's cached block; capped beside a
+    out = sim.step()
+    assert chunks(out) == [("a", 8, 1)] and out.preempted == [c]
+    out = sim.step()  # c recomputes 3 tokens with no decode running; b (a decode) may not join them
+    assert chunks(out) == [("c", 4, 3)] and ids(sim.sched.waiting) == ["b"]
+    out = sim.step()
+    assert chunks(out) == [("c", 7, 1), ("b", 4, 1)] and all(ch.is_decode for ch in out.chunks)
+    sim.run()
+    assert b.bill.recomputed_tokens == 0 and c.bill.recomputed_tokens == 2 and sim.kv.num_free_blocks == 3
+
+
 def test_max_num_seqs_and_queue_time():
     sim = Sim(32, 4, max_num_batched_tokens=64, max_num_seqs=2)
     a, b, c = (sim.add(r, [r_i + 3, r_i + 4], 3) for r_i, r in enumerate("abc"))
@@ -319,6 +370,34 @@ def test_unchunked_never_splits_a_prompt():
     chunked.add("a", list(range(3, 8)), 4)
     chunked.add("b", list(range(20, 32)), 2)
     assert chunks(chunked.step()) == [("a", 0, 5), ("b", 0, 11)]
+
+
+def test_unchunked_admits_a_prompt_that_exactly_fills_the_room():
+    sim = Sim(64, 4, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    sim.add("a", [3, 4, 5, 6], 3)
+    sim.add("b", list(range(20, 32)), 2)
+    sim.add("c", list(range(40, 54)), 1)
+    assert chunks(sim.step()) == [("a", 0, 4), ("b", 0, 12)]  # 4 + 12 = the whole budget
+    assert chunks(sim.step()) == [("a", 4, 1), ("b", 12, 1), ("c", 0, 14)]  # two decodes + 14 = 16
+    assert chunks(sim.step()) == [("a", 5, 1)]
+    assert all(o.num_tokens == 16 for o in sim.outputs[:2])
+
+
+def test_a_preemption_gives_its_budget_back_to_the_step():
+    """Priority: v (priority 3) decodes first in the running order; d (priority 0) then needs a block and
+    preempts v, whose token is handed back, so p's prompt chunk gets 3 tokens, not 2."""
+    sim = Sim(5, 2, caching=False, max_num_batched_tokens=4, max_num_seqs=3, scheduling_policy="priority")
+    v = sim.add("v", [9, 6, 5, 4, 5], 3, priority=3)
+    assert chunks(sim.step()) == [("v", 0, 4)]
+    sim.add("p", [9, 7, 3, 4], 5, priority=1)
+    sim.add("d", [7, 6], 3, priority=0)
+    assert chunks(sim.step()) == [("v", 4, 1), ("d", 0, 2), ("p", 0, 1)] and sim.kv.num_free_blocks == 0
+    out = sim.step()
+    assert out.preempted == [v] and chunks(out) == [("d", 2, 1), ("p", 1, 3)] and out.num_tokens == 4
+    sim.run()
+    assert v.num_preemptions == 2 and sim.kv.num_free_blocks == 5
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
 
 
 def _three_decoders(policy: str = "fcfs", priorities=(0, 0, 0)) -> Sim:
@@ -442,11 +521,217 @@ def test_abort_returns_blocks_at_once():
     assert chunks(sim.step()) == [("a", 10, 1), ("b", 4, 2)]  # b's first block is a hit on a's
     assert sim.kv.block_ids("b")[0] == sim.kv.block_ids("a")[0] and sim.kv.num_free_blocks == 4
     assert b.bill.cached_tokens == 4 and b.bill.prefilled_tokens == 2
+    assert (sim.sched.prefix_queries, sim.sched.prefix_hits) == (10 + 6, 4)  # counted once, at first admission
+    with pytest.raises(ValueError, match="^request id 'b' is already in use$"):
+        sim.add("b", [1, 2], 1)
     sim.sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and a.clock.finished == sim.t
     assert sim.kv.block_ids("a") == [] and ids(sim.sched.running) == ["b"] and sim.kv.num_free_blocks == 6
     sim.run()
     assert b.status == RequestStatus.FINISHED_LENGTH and sim.kv.num_free_blocks == 8
+
+
+# --- traces pinned step by step -----------------------------------------------
+# Small workloads whose whole trace is fixed: each pins one rule that the mutation run (`make mutation`) found
+# no other test holding. steps: per step, (chunks, preempted); requests: (decode_steps, interfered_steps,
+# num_preemptions, cached_tokens, prefilled_tokens, recomputed_tokens).
+TRACES = [
+    pytest.param(  # a recompute chunk past the prompt that samples is not a decode (r0's decode_steps)
+        {'block_size': 1,
+         'max_model_len': 6,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 4,
+         'num_blocks': 6,
+         'scheduling_policy': 'priority'},
+        [('add', [5], 5, 3), ('add', [3], 5, 1)],
+        [([('r1', 0, 1), ('r0', 0, 1)], []), ([('r1', 1, 1), ('r0', 1, 1)], []), ([('r1', 2, 1), ('r0', 2, 1)], []),
+         ([('r1', 3, 1)], ['r0']), ([('r1', 4, 1)], []), ([('r0', 1, 3)], []), ([('r0', 4, 1)], [])],
+        {'r0': (3, 0, 1, 0, 1, 2), 'r1': (4, 0, 0, 0, 1, 0)},
+        1, id='recompute_past_the_prompt'),
+    pytest.param(  # a budget of one token still decodes every step
+        {'block_size': 1,
+         'max_model_len': 8,
+         'max_num_batched_tokens': 1,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 2,
+         'num_blocks': 8},
+        [('step',), ('add', [4, 3], 5, 2)],
+        [([], []), ([('r0', 0, 1)], []), ([('r0', 1, 1)], []), ([('r0', 2, 1)], []), ([('r0', 3, 1)], []),
+         ([('r0', 4, 1)], []), ([('r0', 5, 1)], [])],
+        {'r0': (4, 0, 0, 0, 2, 0)},
+        0, id='budget_of_one'),
+    pytest.param(  # without chunking the cap does not apply: r1's whole prompt joins r0's decode
+        {'block_size': 4,
+         'caching': False,
+         'enable_chunked_prefill': False,
+         'max_model_len': 28,
+         'max_num_batched_tokens': 28,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 5,
+         'num_blocks': 7},
+        [('add', [4, 3, 4, 4, 3], 4, 1), ('step',), ('step',), ('add', [6, 4, 4, 5, 3, 6, 4, 9], 3, 0)],
+        [([('r0', 0, 5)], []), ([('r0', 5, 1)], []), ([('r0', 6, 1), ('r1', 0, 8)], []),
+         ([('r0', 7, 1), ('r1', 8, 1)], []), ([('r1', 9, 1)], [])],
+        {'r0': (3, 1, 0, 0, 5, 0), 'r1': (2, 0, 0, 0, 8, 0)},
+        0, id='unchunked_ignores_the_cap'),
+    pytest.param(  # a prompt chunk's allocation preempts (the prompts loop hands `out` on)
+        {'block_size': 4,
+         'max_model_len': 16,
+         'max_num_batched_tokens': 3,
+         'max_num_seqs': 2,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 4},
+        [('add', [4, 4, 3, 3, 3], 8, 0), ('add', [4, 4, 3, 3, 3, 4], 6, 2)],
+        [([('r0', 0, 3)], []), ([('r0', 3, 2), ('r1', 0, 1)], []), ([('r0', 5, 1), ('r1', 1, 1)], []),
+         ([('r0', 6, 1), ('r1', 2, 1)], []), ([('r0', 7, 1), ('r1', 3, 1)], []), ([('r0', 8, 1)], ['r1']),
+         ([('r0', 9, 1), ('r1', 4, 1)], []), ([('r0', 10, 1), ('r1', 5, 1)], []),
+         ([('r0', 11, 1), ('r1', 6, 1)], []), ([('r1', 7, 1)], []), ([('r1', 8, 1)], []), ([('r1', 9, 1)], []),
+         ([('r1', 10, 1)], [])],
+        {'r0': (7, 5, 0, 0, 5, 0), 'r1': (5, 0, 1, 0, 6, 0)},
+        1, id='prompt_chunk_preempts'),
+    pytest.param(  # a running prompt chunk and the admissions after it share one cap
+        {'block_size': 4,
+         'max_model_len': 36,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 9,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 3], 4, 1), ('add', [4, 4], 7, 0), ('add', [4, 4, 3, 4, 3, 3, 3, 4, 3, 3, 3, 3], 2, 3),
+         ('step',)],
+        [([('r1', 0, 2), ('r0', 0, 2)], []), ([('r1', 2, 1), ('r0', 2, 1)], []),
+         ([('r1', 3, 1), ('r0', 3, 1), ('r2', 0, 1)], []), ([('r1', 4, 1), ('r0', 4, 1), ('r2', 1, 1)], []),
+         ([('r1', 5, 1), ('r0', 5, 1), ('r2', 2, 1)], []), ([('r1', 6, 1), ('r2', 3, 1)], []),
+         ([('r1', 7, 1), ('r2', 4, 1)], []), ([('r2', 5, 4)], []), ([('r2', 9, 3)], []), ([('r2', 12, 1)], [])],
+        {'r0': (3, 3, 0, 0, 3, 0), 'r1': (6, 6, 0, 0, 2, 0), 'r2': (1, 0, 0, 0, 12, 0)},
+        0, id='cap_shared_running_then_waiting'),
+    pytest.param(  # admissions beside decodes share one cap
+        {'block_size': 4,
+         'max_model_len': 28,
+         'max_num_batched_tokens': 8,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 7},
+        [('add', [4, 3, 4, 4, 4, 3, 3], 7, 2), ('add', [9, 9, 8], 6, 0),
+         ('add', [3, 7, 5, 6, 9, 7, 6, 5, 3, 9, 3], 5, 3), ('add', [6], 2, 0)],
+        [([('r0', 0, 7), ('r1', 0, 1)], []), ([('r0', 7, 1), ('r1', 1, 1)], []), ([('r0', 8, 1), ('r1', 2, 1)], []),
+         ([('r0', 9, 1), ('r1', 3, 1), ('r2', 0, 1)], []), ([('r0', 10, 1), ('r1', 4, 1), ('r2', 1, 1)], []),
+         ([('r0', 11, 1), ('r1', 5, 1), ('r2', 2, 1)], []), ([('r0', 12, 1), ('r1', 6, 1), ('r2', 3, 1)], []),
+         ([('r1', 7, 1), ('r2', 4, 1)], []), ([('r2', 5, 6), ('r3', 0, 1)], []),
+         ([('r2', 11, 1), ('r3', 1, 1)], []), ([('r2', 12, 1)], []), ([('r2', 13, 1)], []), ([('r2', 14, 1)], [])],
+        {'r0': (6, 6, 0, 0, 7, 0), 'r1': (5, 5, 0, 0, 3, 0), 'r2': (4, 0, 0, 0, 11, 0), 'r3': (1, 0, 0, 0, 1, 0)},
+        0, id='cap_shared_between_admissions'),
+    pytest.param(  # each admission spends the step's budget
+        {'block_size': 2,
+         'max_model_len': 18,
+         'max_num_batched_tokens': 4,
+         'max_num_seqs': 4,
+         'max_prefill_tokens_while_decoding': 3,
+         'num_blocks': 9},
+        [('add', [3, 4, 4, 3, 3, 4, 3, 3, 4, 3, 4], 6, 3), ('add', [9], 3, 0), ('add', [3, 4], 5, 3),
+         ('add', [8, 3, 9, 6, 4, 3, 5, 9, 5, 8], 6, 0), ('step',), ('step',)],
+        [([('r0', 0, 4)], []), ([('r0', 4, 4)], []), ([('r0', 8, 3), ('r1', 0, 1)], []),
+         ([('r0', 11, 1), ('r1', 1, 1), ('r2', 0, 2)], []), ([('r0', 12, 1), ('r1', 2, 1)], ['r2']),
+         ([('r0', 13, 1), ('r2', 2, 1), ('r3', 0, 2)], []), ([('r0', 14, 1), ('r2', 3, 1)], ['r3']),
+         ([('r0', 15, 1)], ['r2']), ([('r2', 4, 1), ('r3', 0, 3)], []), ([('r2', 5, 1), ('r3', 3, 3)], []),
+         ([('r3', 6, 4)], []), ([('r3', 10, 1)], []), ([('r3', 11, 1)], []), ([('r3', 12, 1)], []),
+         ([('r3', 13, 1)], []), ([('r3', 14, 1)], [])],
+        {'r0': (5, 2, 0, 0, 11, 0), 'r1': (2, 1, 0, 0, 1, 0), 'r2': (4, 3, 2, 0, 2, 0), 'r3': (5, 0, 1, 0, 10, 2)},
+        3, id='admissions_spend_the_budget'),
+    pytest.param(  # a request that preempts itself takes no budget; an unscheduled victim gives none back
+        {'block_size': 4,
+         'caching': False,
+         'max_model_len': 16,
+         'max_num_batched_tokens': 9,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 4,
+         'scheduling_policy': 'priority'},
+        [('step',), ('add', [4, 9, 5, 6, 9, 4, 5, 8, 9, 7], 5, 1), ('step',),
+         ('add', [3, 3, 3, 3, 3, 3, 4, 4, 4, 3, 4, 4], 2, 0)],
+        [([], []), ([('r0', 0, 9)], []), ([('r0', 9, 1)], []), ([('r0', 10, 1), ('r1', 0, 1)], []),
+         ([('r0', 11, 1), ('r1', 1, 1)], []), ([('r1', 2, 9)], ['r0']), ([('r1', 11, 1)], []),
+         ([('r1', 12, 1)], []), ([('r0', 0, 9)], []), ([('r0', 9, 4)], []), ([('r0', 13, 1)], [])],
+        {'r0': (3, 2, 1, 0, 10, 12), 'r1': (1, 0, 0, 0, 12, 0)},
+        1, id='self_preemption_gives_back_nothing'),
+    pytest.param(  # a one-token prefill chunk beside a decode counts as interference
+        {'block_size': 1, 'max_model_len': 8, 'max_num_batched_tokens': 5, 'max_num_seqs': 2, 'num_blocks': 8},
+        [('add', [4, 4], 2, 2), ('add', [4, 4, 3, 3], 3, 0)],
+        [([('r0', 0, 2), ('r1', 0, 3)], []), ([('r0', 2, 1), ('r1', 3, 1)], []), ([('r1', 4, 1)], []),
+         ([('r1', 5, 1)], [])],
+        {'r0': (1, 1, 0, 0, 2, 0), 'r1': (2, 0, 0, 0, 4, 0)},
+        0, id='one_prefill_token_interferes'),
+    pytest.param(  # a recompute is a prompt chunk: capped beside decodes, never in the decode loop
+        {'block_size': 1,
+         'caching': False,
+         'max_model_len': 8,
+         'max_num_batched_tokens': 7,
+         'max_num_seqs': 5,
+         'max_prefill_tokens_while_decoding': 1,
+         'num_blocks': 8,
+         'scheduling_policy': 'priority'},
+        [('add', [3, 4, 4, 4, 4], 3, 2), ('step',), ('add', [3, 4, 4, 4, 4], 1, 1), ('add', [5, 8], 6, 1)],
+        [([('r0', 0, 5)], []), ([('r0', 5, 1), ('r1', 0, 1)], []), ([('r1', 1, 1)], ['r0']),
+         ([('r1', 2, 3), ('r2', 0, 2)], []), ([('r2', 2, 1), ('r0', 0, 1)], []), ([('r2', 3, 1), ('r0', 1, 1)], []),
+         ([('r2', 4, 1), ('r0', 2, 1)], []), ([('r2', 5, 1)], ['r0']), ([('r2', 6, 1), ('r0', 0, 1)], []),
+         ([('r0', 1, 6)], [])],
+        {'r0': (1, 1, 2, 0, 5, 9), 'r1': (0, 0, 0, 0, 5, 0), 'r2': (5, 4, 0, 0, 2, 0)},
+        2, id='recompute_is_capped_beside_decodes'),
+    pytest.param(  # a prefix hit at readmission adds to the first one's cached_tokens (r0: 4, not 0)
+        {'block_size': 2,
+         'max_model_len': 12,
+         'max_num_batched_tokens': 3,
+         'max_num_seqs': 4,
+         'max_prefill_tokens_while_decoding': 5,
+         'num_blocks': 6,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 4, 3, 3, 3, 3], 3, 3), ('add', [8, 9, 3, 5], 5, 2), ('add', [4, 4, 4, 3, 3], 6, 0)],
+        [([('r2', 0, 3)], []), ([('r2', 3, 2), ('r1', 0, 1)], []), ([('r2', 5, 1), ('r1', 1, 2)], []),
+         ([('r2', 6, 1), ('r1', 3, 1)], []), ([('r2', 7, 1)], ['r1']), ([('r2', 8, 1)], []), ([('r2', 9, 1)], []),
+         ([('r1', 2, 3)], []), ([('r1', 5, 1), ('r0', 4, 2)], []), ([('r1', 6, 1)], ['r0']), ([('r1', 7, 1)], []),
+         ([('r0', 4, 3)], []), ([('r0', 7, 1)], []), ([('r0', 8, 1)], [])],
+        {'r0': (2, 0, 1, 4, 3, 2), 'r1': (3, 1, 1, 0, 4, 2), 'r2': (5, 2, 0, 0, 5, 0)},
+        2, id='cache_hits_add_up'),
+    pytest.param(  # a resuming stream joins when the prompt tokens already placed equal the cap
+        {'block_size': 4,
+         'max_model_len': 12,
+         'max_num_batched_tokens': 12,
+         'max_num_seqs': 3,
+         'max_prefill_tokens_while_decoding': 3,
+         'num_blocks': 3,
+         'scheduling_policy': 'priority'},
+        [('add', [4, 4, 3, 4, 3, 4], 4, 0), ('add', [4, 4, 3, 4], 2, 2), ('step',), ('step',),
+         ('add', [4, 4, 3, 4, 3, 4], 4, 1), ('add', [7, 8, 9], 1, 3)],
+        [([('r0', 0, 6), ('r1', 0, 4)], []), ([('r0', 6, 1)], ['r1']), ([('r0', 7, 1), ('r2', 4, 2)], []),
+         ([('r0', 8, 1)], ['r2']), ([('r2', 4, 3), ('r1', 4, 1)], []), ([('r2', 7, 1), ('r3', 0, 3)], []),
+         ([('r2', 8, 1)], [])],
+        {'r0': (3, 1, 0, 0, 6, 0), 'r1': (1, 1, 1, 0, 4, 0), 'r2': (2, 1, 1, 4, 2, 2), 'r3': (0, 0, 0, 0, 3, 0)},
+        2, id='resume_joins_at_exactly_the_cap'),
+]
+
+
+@pytest.mark.parametrize("args, ops, steps, requests, preemptions", TRACES)
+def test_pinned_trace(args, ops, steps, requests, preemptions):
+    args = dict(args)
+    sim = Sim(args.pop("num_blocks"), args.pop("block_size"), args.pop("caching", True), **args)
+    got = []
+    for i, op in enumerate(ops):
+        if op[0] == "add":
+            sim.add(f"r{sum(o[0] == 'add' for o in ops[:i])}", *op[1:3], priority=op[3])
+        else:
+            out = sim.step()
+            got.append((chunks(out), ids(out.preempted)))
+    while sim.sched.has_unfinished() and len(got) < 4 * len(steps):
+        out = sim.step()
+        got.append((chunks(out), ids(out.preempted)))
+    assert [tuple(map(list, g)) for g in got] == [tuple(map(list, s)) for s in steps]
+    assert {r.request_id: (r.clock.decode_steps, r.clock.interfered_steps, r.num_preemptions, r.bill.cached_tokens,
+                           r.bill.prefilled_tokens, r.bill.recomputed_tokens) for r in sim.reqs.values()} == requests
+    assert sim.sched.num_preemptions == preemptions == sum(r.num_preemptions for r in sim.reqs.values())
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
+    # nothing is left behind: no request, arrival number or block
+    assert not sim.sched.requests and not sim.sched._arrival_seq and sim.kv.num_free_blocks == sim.kv.num_blocks
 
 
 # --- random operations -------------------------------------------------------
@@ -489,6 +774,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
         self.aborted: set[str] = set()
         self.preempted_seen: set[str] = set()
+        self.clean = True  # False while a step or check runs: one that raised leaves it False for teardown
 
     @rule(base=st.integers(0, 1), prefix=st.integers(0, 24), suffix=st.lists(TOKENS, max_size=5),
           max_tokens=st.integers(1, 12), priority=st.integers(0, 3),
@@ -517,6 +803,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._step()
 
     def _step(self):
+        self.clean = False
         sched = self.sim.sched
         had_work = sched.has_unfinished()
         running_before = list(sched.running)
@@ -539,11 +826,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert c.samples, f"unchunked mode split {c}"
         for r in out.preempted:
             assert r not in [c.request for c in out.chunks]
+        self.clean = True
 
     @invariant()
     def blocks_are_accounted(self):
         if not hasattr(self, "sim"):
             return
+        self.clean = False
         kv, sched = self.sim.kv, self.sim.sched
         pool = kv.pool
         refs = Counter(b for rid in sched.requests for b in kv.block_ids(rid))
@@ -553,11 +842,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(free) == len(set(free))
         assert not any(pool.blocks[i].ref_cnt for i in free), "a referenced block is in the free queue"
         assert kv.num_free_blocks + len(refs) == kv.num_blocks, "leaked block"
+        self.clean = True
 
     @invariant()
     def requests_are_consistent(self):
         if not hasattr(self, "sim"):
             return
+        self.clean = False
         sched, kv, bs = self.sim.sched, self.sim.kv, self.sim.bs
         assert set(sched.requests) == {r.request_id for r in sched.waiting + sched.running}
         assert len(sched.running) <= self.sim.cfg.max_num_seqs
@@ -587,9 +878,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(r.output_token_ids) <= r.max_output_tokens
             if r.bill.recomputed_tokens:
                 assert r.num_preemptions > 0
+        self.clean = True
 
     def teardown(self):
-        if not hasattr(self, "sim"):
+        # Hypothesis calls teardown after a failure too; draining a half-updated state would replace the
+        # real failure with a confusing later one.
+        if not hasattr(self, "sim") or not self.clean:
             return
         sim = self.sim
         bound = 50 * sum(r.num_prompt_tokens + r.max_output_tokens for r in sim.reqs.values()) + 20

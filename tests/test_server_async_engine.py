@@ -38,6 +38,13 @@ def idle(engine: LLMEngine) -> bool:
     return not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.num_blocks
 
 
+async def until_idle(engine: LLMEngine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not idle(engine):
+        assert time.monotonic() < deadline, "the engine did not return to idle"
+        await asyncio.sleep(0.02)
+
+
 def test_async_engine_survives_bad_input_failures_and_aborts(engine):
     finished = []
 
@@ -52,8 +59,8 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
             # Bad input: the whole group is refused, nothing stays in the engine.
             with pytest.raises(ValueError, match=r"\[0, 8192\)"):
                 await ae.add(group([5, 6, 7], [10**6], name="bad"))
-            await asyncio.sleep(0.05)
-            assert idle(engine) and ae.is_alive
+            await until_idle(engine)
+            assert ae.is_alive
 
             # A normal request streams to completion.
             ok = group([5, 6, 7], name="ok")
@@ -90,10 +97,7 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
             ae.abort(long)
             items = await finish(long)
             assert items[-1].output is None  # the abort marker
-            deadline = time.monotonic() + 5
-            while not idle(engine):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            await until_idle(engine)
 
             # And it still serves.
             again = group([5, 6, 7], name="again")

@@ -116,9 +116,15 @@ def test_decode_miss_with_and_without_interference():
 
 
 def test_preemption_wins():
-    bill = Bill(prompt_tokens=10, prefilled_tokens=10, recomputed_tokens=12)
-    v = judge("a:ttft=100ms,ttlt=100ms", make_clock(queue=0.5, gaps=(0.2,) * 5), bill, preemptions=1)
+    """Each sign of a preemption alone makes it the cause; without either, the same miss is decode-side."""
+    clock = make_clock(queue=0.5, gaps=(0.2,) * 5)
+    spec = "a:ttft=100ms,ttlt=100ms"
+    assert judge(spec, clock).cause == "decode"  # ttlt misses worst, and decode dominates it
+    # preempted, but every block was still cached on readmission: nothing recomputed
+    v = judge(spec, clock, Bill(prompt_tokens=10, prefilled_tokens=10), preemptions=1)
     assert v.cause == "preemption" and v.missed == ["ttft", "ttlt"]
+    v = judge(spec, clock, Bill(prompt_tokens=10, prefilled_tokens=10, recomputed_tokens=12), preemptions=0)
+    assert v.cause == "preemption"
 
 
 def test_worst_objective_decides():

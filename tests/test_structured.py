@@ -12,6 +12,7 @@ import json
 import re
 
 import jsonschema
+import pydantic_core
 import pytest
 
 from twospeed import LLM, SamplingParams
@@ -63,6 +64,10 @@ def test_100_sampled_documents_per_schema_all_validate(llm_bf16):
     assert all(len({o.text for o in outs[k * 100:(k + 1) * 100]}) > 10 for k in range(len(names)))
 
 
+SUM = r"\([0-9]{1,2}(\+[0-9]{1,2})*\)"  # the Lark grammar below, as a regex
+SUM_PREFIX = r"(\(([0-9]{1,2}(\+[0-9]{1,2})*(\+|\))?)?)?"  # every prefix of a SUM sentence
+
+
 def test_regex_choice_grammar_and_any_object(llm_bf16):
     llm = llm_bf16
     specs = [StructuredOutput(regex=r"[a-c]{3}-[0-9]{2}"), StructuredOutput(choice=["yes", "no", "maybe so"]),
@@ -79,9 +84,41 @@ def test_regex_choice_grammar_and_any_object(llm_bf16):
         elif s.grammar is not None and "::=" in s.grammar:
             assert re.fullmatch(r"ab[0-9][0-9]?", out.text), out.text
         elif s.grammar is not None:
-            assert re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2})*\)", out.text) or out.finish_reason == "length", out.text
+            if out.finish_reason == "stop":
+                assert re.fullmatch(SUM, out.text), out.text
+            else:  # cut by max_tokens: what came out must still be the start of a sentence of the grammar
+                assert out.finish_reason == "length" and re.fullmatch(SUM_PREFIX, out.text), out.text
+        elif out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict), out.text
         else:
-            assert out.finish_reason != "stop" or isinstance(json.loads(out.text), dict), out.text
+            assert out.finish_reason == "length" and is_json_object_prefix(out.text), out.text
+
+
+def is_json_object_prefix(text: str) -> bool:
+    """Some JSON object starts with `text`: a complete object with nothing after it, or an incomplete one that a
+    partial JSON parser (pydantic's, apart from llguidance) reads as an object without an error."""
+    if not text.startswith("{"):
+        return False
+    try:
+        value, end = json.JSONDecoder().raw_decode(text)
+        return end == len(text) and isinstance(value, dict)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return isinstance(pydantic_core.from_json(text, allow_partial="trailing-strings"), dict)
+    except ValueError:
+        return False
+
+
+def test_prefix_checks():
+    for good in ["", "(", "(1", "(12", "(1+", "(1+23", "(1+2)"]:
+        assert re.fullmatch(SUM_PREFIX, good), good
+    for bad in ["1", "()", "(123", "(1+)", "(1++", "(1)2", "(+"]:
+        assert not re.fullmatch(SUM_PREFIX, bad), bad
+    for good in ['{', '{"a', '{"a":', '{"a":[1,{"b":tr', '{"a":"x\\u12', '{"a":1}', '{"a":-']:
+        assert is_json_object_prefix(good), good
+    for bad in ['', '[1', '{"a" 1', '{]', '{"a":1}}', '{"a":nx', '{"a":01', '{"a":"\\q']:
+        assert not is_json_object_prefix(bad), bad
 
 
 def test_greedy_constrained_output_independent_of_batch_chunks_cache_and_preemption(llm):

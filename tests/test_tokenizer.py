@@ -233,6 +233,51 @@ def test_stop_string_across_token_boundary(tok, include, chunk):
     assert detok.output_text == "The answer is forty-" + (stop if include else "")
 
 
+class CharTokenizer:
+    """One token per character (id = code point): how the text is split into calls is the test's choice alone."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(map(chr, ids))
+
+
+def splits(n: int, max_part: int = 3):
+    """Every way to cut range(n) into consecutive parts of 1..max_part."""
+    if n == 0:
+        yield []
+        return
+    for k in range(1, min(max_part, n) + 1):
+        for rest in splits(n - k, max_part):
+            yield [k, *rest]
+
+
+@pytest.mark.parametrize("text, stops", [
+    ("xxabcd", ["abcd", "q"]),  # the longest stop, its first character exactly as far back as one can reach
+    ("xyzab", ["ab", "wxyzq"]),  # a short stop, while a longer one sets how far back to look
+    ("aabab", ["bab", "aa"]),  # overlapping stops: the one that completes first wins
+    ("ab<EN", ["<END>"]),  # never completes: all text comes out, held back only until finish()
+])
+@pytest.mark.parametrize("include", [False, True])
+def test_stops_found_and_text_held_back_however_the_text_is_split(text, stops, include):
+    found = sorted((text.find(s) + len(s), text.find(s), s) for s in stops if s in text)
+    for parts in splits(len(text)):
+        detok = IncrementalDetokenizer(CharTokenizer(), [], stop=stops, include_stop_str_in_output=include)
+        deltas, hit, pos = [], None, 0
+        for k in parts:
+            hit = detok.add_tokens([ord(c) for c in text[pos:pos + k]])
+            pos += k
+            deltas.append(detok.take_delta())
+            assert detok.output_text.startswith("".join(deltas)), (parts, deltas)  # emitted text is final
+            if hit:
+                break
+        detok.finish()
+        deltas.append(detok.take_delta())
+        if not found:
+            assert hit is None and "".join(deltas) == text, parts
+        else:
+            end, start, stop = found[0]
+            assert hit == stop and "".join(deltas) == text[:end if include else start], (parts, deltas)
+
+
 def test_holdback_only_keeps_possible_stop_prefixes(tok):
     detok = IncrementalDetokenizer(tok, [], stop=["<END>", "xyz"])
     detok.add_tokens(tok.encode("a <b", add_special_tokens=False))

@@ -109,9 +109,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or (self.max_model_len or 1) < 1:
+        if (self.max_num_batched_tokens < 1 or self.max_num_seqs < 1
+                or (self.max_model_len is not None and self.max_model_len < 1)):
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
-        if (self.max_prefill_tokens_while_decoding or 1) < 1:
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1 (or None)")
         if self.target_step_ms is not None and not self.target_step_ms >= 0:
             raise ValueError(f"target_step_ms must be >= 0 (or None), got {self.target_step_ms}")

@@ -1,4 +1,5 @@
 """Checks of the peers harness that need no peer: ratios, the lab summary, command lines, prompt lengths.
+`make test` collects them (pyproject's testpaths); alone:
 
     .venv/bin/python -m pytest benchmarks/peers/test_peers.py -q
 """
@@ -73,6 +74,8 @@ def test_commands_bind_loopback_and_reject_bad_input(monkeypatch):
 
 @pytest.mark.skipif(not (serve.model_dir("bf16") / "tokenizer.json").is_file(), reason="checkpoint not built")
 def test_prompts_have_the_asked_token_count_and_differ_by_salt():
+    """Needs the peers' own tokenizer (make_checkpoint.py), trained on the prompt words, so each is one piece and
+    a one-token gap can be filled; with the demo tokenizer a word can be two or three tokens and overshoot."""
     from client import PromptMaker
 
     a = PromptMaker(serve.model_dir("bf16"), "aaaa")

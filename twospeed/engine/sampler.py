@@ -75,6 +75,23 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row, drawn from filtered_probs (exponential race: argmax of p / Exp(1) noise)."""
+        probs = self.filtered_probs(logits, requests)
+        vocab = probs.shape[1]
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = _exponential(torch.rand(len(unseeded), vocab, device=probs.device,
+                                                      generator=self.generator))
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i] = _exponential(torch.rand(vocab, device=probs.device, generator=r.generator))
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """softmax(logits / T) with top-k, then top-p, then min-p applied per row; filtered tokens get 0.
+        (Not renormalised: the draw only compares ratios.)"""
         n, vocab = logits.shape
         temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
         logits = logits / temps[:, None]
@@ -94,15 +111,7 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = _exponential(torch.rand(len(unseeded), vocab, device=probs.device,
-                                                      generator=self.generator))
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                noise[i] = _exponential(torch.rand(vocab, device=probs.device, generator=r.generator))
-        return (probs / noise).argmax(dim=-1)
+        return probs
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

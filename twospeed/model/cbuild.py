@@ -2,9 +2,17 @@
 
 Each kernel is one C file compiled with the system C compiler (`CC`, else `cc`) for this CPU (-march=native)
 into the twospeed cache folder, keyed by the source, compiler, flags and CPU, so a library built elsewhere
-(a shared cache folder) is never loaded here. Where there is no compiler, or the build fails (an old compiler,
-or a CPU without the instructions the kernel is written for), `build_library` returns None and the caller keeps
-its portable path.
+(a shared cache folder) is never loaded here.
+
+Two ways a kernel can be missing, kept apart:
+- unsupported here: no C compiler, a compiler that cannot build an OpenMP shared library for this CPU (a
+  trivial probe file fails with our flags), or a CPU (or compiler) without the instructions the kernel is
+  written for. A kernel states what it needs with a guard at its top that the compiler evaluates for
+  -march=native: `#error "twospeed-unsupported: needs ..."`. `build_library` returns None, logs why, and
+  `unsupported_reason(name)` says it (the tests skip with that reason); the caller keeps its portable path.
+- failed: the probe builds and the guard passes, yet the kernel does not compile or load. That is a bug in the
+  source, not a property of the machine: `KernelBuildError` with the compiler's message (remembered per
+  source, so a broken kernel is compiled once per process, not once per call).
 """
 
 from __future__ import annotations
@@ -28,6 +36,18 @@ CSRC = Path(__file__).with_name("csrc")
 # alone lets the dot products vectorize; infinities stay (the online softmax starts from -inf).
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
          "-fopenmp", "-shared", "-fPIC"]
+UNSUPPORTED_MARK = "twospeed-unsupported:"  # the text of a kernel's `#error` guard: this CPU lacks what it needs
+TIMEOUT_S = 600  # one compile; generous, so a busy machine does not turn a slow build into an error
+_PROBE = "int twospeed_probe(void) {\n  int s = 0;\n#pragma omp parallel for reduction(+:s)\n" \
+         "  for (int i = 0; i < 4; i++) s += i;\n  return s;\n}\n"
+
+_unsupported: dict[str, str] = {}  # kernel name -> why it is unsupported here (the last attempt)
+_failed: dict[Path, KernelBuildError] = {}  # library path (keyed by source) -> its build error
+_toolchain: dict[str, str | None] = {}  # compiler -> None if the probe builds and loads, else why not
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel failed to compile or load on a machine whose compiler and CPU support it."""
 
 
 def _cpu_id() -> str:
@@ -39,29 +59,86 @@ def _cpu_id() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _compile(cc: str, source: Path, out: Path) -> str | None:
+    """Compile `source` into the shared library `out`; None on success, else the compiler's message."""
+    try:
+        subprocess.run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], check=True, capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+        return None
+    except subprocess.CalledProcessError as e:
+        return (e.stderr or e.stdout or f"exit status {e.returncode}").strip()
+    except (OSError, subprocess.SubprocessError) as e:  # not runnable, or timed out
+        return str(e)
+
+
+def _toolchain_problem(cc: str) -> str | None:
+    """None if `cc` builds and loads an OpenMP shared library for this CPU with FLAGS, else why not."""
+    if cc not in _toolchain:
+        with tempfile.TemporaryDirectory() as tmp:
+            src, lib = Path(tmp) / "probe.c", Path(tmp) / "probe.so"
+            src.write_text(_PROBE)
+            err = _compile(cc, src, lib)
+            if err is None:
+                try:
+                    ctypes.CDLL(str(lib))
+                except OSError as e:
+                    err = str(e)
+        _toolchain[cc] = err
+    return _toolchain[cc]
+
+
+def _unsupported_here(name: str, reason: str) -> None:
+    _unsupported[name] = reason
+    log.warning("kernel %s unsupported here (%s): using the portable torch path", name, reason)
+
+
+def unsupported_reason(name: str) -> str | None:
+    """Why the last build_library(name) returned None (None if it did not)."""
+    return _unsupported.get(name)
+
+
 def build_library(name: str) -> ctypes.CDLL | None:
-    """Build (once per source, compiler, flags and CPU) and load csrc/<name>.c; None where it cannot be."""
+    """Build (once per source, compiler, flags and CPU) and load csrc/<name>.c. None where it is unsupported
+    here; KernelBuildError where it should build and does not."""
     source = CSRC / f"{name}.c"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = find_compiler()
     if cc is None:
-        log.warning("no C compiler found: %s uses the portable torch path", name)
+        _unsupported_here(name, "no C compiler: CC is unset and there is no cc or gcc on PATH")
         return None
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers it may include
     key = hashlib.sha256(text + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     lib = cache_root() / "kernels" / f"{name}-{key}.so"
+    if lib in _failed:
+        raise _failed[lib]
+    if not lib.exists():
+        problem = _toolchain_problem(cc)
+        if problem is not None:
+            _unsupported_here(name, f"{cc} cannot build an OpenMP shared library for this CPU: {problem}")
+            return None
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            out = Path(tmp) / lib.name
+            err = _compile(cc, source, out)
+            if err is not None and UNSUPPORTED_MARK in err:
+                need = err.split(UNSUPPORTED_MARK, 1)[1].splitlines()[0].strip().strip('"')
+                _unsupported_here(name, f"{need}, which {cc} -march=native does not enable on this CPU")
+                return None
+            if err is not None:
+                _failed[lib] = KernelBuildError(f"csrc/{name}.c failed to compile with {cc} on a machine that "
+                                                f"supports it:\n{err}")
+                raise _failed[lib]
+            os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
     try:
-        if not lib.exists():
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-                out = Path(tmp) / lib.name
-                subprocess.run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], check=True, capture_output=True,
-                               text=True, timeout=120)
-                os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
-        return ctypes.CDLL(str(lib))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("kernel %s unavailable (%s): using the portable torch path", name, detail)
-        return None
+        loaded = ctypes.CDLL(str(lib))
+    except OSError as e:
+        _failed[lib] = KernelBuildError(f"csrc/{name}.c built into {lib.name} but does not load: {e}")
+        raise _failed[lib] from e
+    _unsupported.pop(name, None)
+    return loaded
 
 
 def load_library(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:

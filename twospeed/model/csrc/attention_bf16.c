@@ -26,6 +26,10 @@
  * tables[s] (max_blocks block ids), its queries are rows q_start[s] .. + q_len[s] at positions
  * ctx_len[s] - q_len[s] .. ctx_len[s] - 1. window > 0 keeps the last `window` keys. D even, D <= 256.
  */
+/* Unsupported here unless -march=native enables these (model/cbuild.py skips on this mark, fails otherwise). */
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__)
+#error "twospeed-unsupported: needs AVX-512 BF16 (avx512f, avx512bw, avx512vl, avx512_bf16)"
+#endif
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

@@ -9,6 +9,10 @@
  *                    out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps)))   -- LlamaRMSNorm in float32, then * weight
  * silu_mul_bf16:     out = bf16(bf16(silu(gate)) * up), gate_up = [gate | up] per row   -- F.silu(g) * u
  */
+/* Unsupported here unless -march=native enables these (model/cbuild.py skips on this mark, fails otherwise). */
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__)
+#error "twospeed-unsupported: needs AVX-512 BF16 (avx512f, avx512bw, avx512vl, avx512_bf16)"
+#endif
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>

@@ -14,6 +14,10 @@
  * y [M, N] bf16 (row stride ldy), accumulated in float32 and rounded to nearest even once, as oneDNN does.
  * K must be even (the Python side falls back otherwise).
  */
+/* Unsupported here unless -march=native enables these (model/cbuild.py skips on this mark, fails otherwise). */
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__)
+#error "twospeed-unsupported: needs AVX-512 BF16 (avx512f, avx512bw, avx512vl, avx512_bf16)"
+#endif
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
