@@ -1,4 +1,4 @@
-"""The stop policy (engine/stop.py) case by case, and the bookkeeping importing without torch.
+"""The stop policy (engine/stop.py) case by case, and the bookkeeping and the planner importing without torch.
 
 The engine's own stop behaviour (EOS, stop strings across tokens, grammars) is checked end to end in
 tests/test_engine_api.py and tests/test_structured.py; here each rule of `check_stop` against a hand-made request,
@@ -18,12 +18,13 @@ from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.stop import Stop, check_stop
 
 ROOT = Path(__file__).resolve().parent.parent
-BOOKKEEPING = ("twospeed.engine.scheduler", "twospeed.engine.kv_cache", "twospeed.engine.request",
-               "twospeed.engine.cost_model", "twospeed.engine.stop", "twospeed.config")
+TORCH_FREE = ("twospeed.engine.scheduler", "twospeed.engine.kv_cache", "twospeed.engine.request",
+              "twospeed.engine.cost_model", "twospeed.engine.stop", "twospeed.config",
+              "twospeed.plan.sim", "twospeed.plan.capacity", "twospeed.plan.sim_results")
 
 
-def test_bookkeeping_imports_no_torch():
-    code = (f"import sys; import {', '.join(BOOKKEEPING)}; "
+def test_bookkeeping_and_the_simulator_import_no_torch():
+    code = (f"import sys; import {', '.join(TORCH_FREE)}; "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

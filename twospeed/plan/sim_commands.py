@@ -191,8 +191,12 @@ def question(args: argparse.Namespace):
 
     replica = _replica(args)
     scenario, slos = _scenario(args)
+    seats = replica.scheduler.max_num_seqs
     if scenario.requests is None and scenario.duration is None:
-        scenario.requests = 200  # per replica: enough for p99 goals and for a backlog to show
+        scenario.requests = max(200, 4 * seats)  # per replica: enough for p99 goals and for a backlog to show
+    if scenario.requests is not None and scenario.requests < 4 * seats:
+        raise ValueError(f"--requests {scenario.requests} is under 4 x --max-num-seqs ({seats}): a burst that fits a few "
+                         f"batches shows no backlog at any rate; ask for more requests or fewer sequences")
     goals = goals_for(scenario.workload, slos)
     if not args.no_slo_steps:
         scenario.itl_targets = {lane: g.lane_slo().itl_target for lane, g in goals.items()}
