@@ -93,9 +93,9 @@ def test_plan_rate_meets_and_the_next_step_up_does_not(tmp_path, capsys):
     from twospeed.plan.sim_commands import question
 
     model = str(_config_dir(tmp_path))
-    argv = ["--workload", "chat", "--hardware", "h100-sxm", "--model", model, "--requests", "64", "--max-num-seqs", "16",
-            "--max-output-tokens", "100", "--slo", "chat:ttft_p99=400ms,itl_p99=60ms", "--quick", "--tolerance", "0.15",
-            "--start-rate", "4", "--target-rate", "30"]
+    argv = ["--workload", "chat", "--hardware", "h100-sxm", "--model", model, "--requests", "64",
+            "--max-num-seqs", "16", "--max-output-tokens", "100", "--slo", "chat:ttft_p99=400ms,itl_p99=60ms",
+            "--quick", "--tolerance", "0.15", "--start-rate", "4", "--target-rate", "30"]
     assert main(["plan", *argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     best, above = report["per_replica"]["best"], report["per_replica"]["above"]
@@ -162,3 +162,24 @@ def test_calibrate_then_simulate_with_the_profile(tmp_path, capsys):
                  "--rate", "2", "--scale", "0.2", "--no-report", "--out", str(out)]) == 0
     sim = results.load(out)
     assert sim["run"]["simulated"]["cost_model"] == "calibrated" and sim["total"]["errors"] == 0
+
+
+def test_plan_tunes_formats_and_pools(tmp_path, capsys):
+    """The other answers on a small scenario: every tuning row, a format row per format (int8 KV holds more tokens,
+    int8 weights weigh less), colocated against each prefill + decode split."""
+    model = str(_config_dir(tmp_path))
+    argv = ["plan", "--workload", "chat", "--hardware", "h100-sxm", "--model", model, "--requests", "32",
+            "--max-num-seqs", "8", "--max-output-tokens", "40", "--tolerance", "0.3", "--start-rate", "8",
+            "--tune-step-ms", "0,50", "--tune-budgets", "256", "--formats", "none/auto,int8/int8",
+            "--pool-gpus", "2", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    tuning = report["tuning"]
+    assert {(r["target_step_ms"], r["max_num_batched_tokens"]) for r in tuning["rows"]} >= {(50.0, 2048), (0.0, 2048)}
+    assert any(r["max_num_batched_tokens"] == 256 for r in tuning["rows"])
+    assert tuning["best"]["max_rate"] == max(r["max_rate"] for r in tuning["rows"])
+    plain, w8 = report["formats"]
+    assert w8["kv_capacity_tokens"] > 1.9 * plain["kv_capacity_tokens"] and w8["weight_bytes"] < plain["weight_bytes"]
+    (pool,) = report["pools"]
+    layouts = [(r["prefill"], r["decode"]) for r in pool["rows"]]
+    assert layouts == [(None, None), (1, 1)] and all(r["per_gpu"] == r["max_rate"] / 2 for r in pool["rows"])

@@ -211,7 +211,8 @@ def _sweep_shapes(rng) -> list:
                     s = s.with_chunk(ctx + k, 1, True, True)
                 shapes.append(s)
                 if k % 3 == 0:
-                    shapes.append(s.with_chunk(int(rng.integers(0, 1024)), int(rng.integers(16, 256)), False, k % 2 == 1))
+                    chunk = int(rng.integers(16, 256))
+                    shapes.append(s.with_chunk(int(rng.integers(0, 1024)), chunk, False, k % 2 == 1))
     return shapes
 
 

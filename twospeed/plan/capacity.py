@@ -127,8 +127,8 @@ class Question:
         if replicas == 1:
             return self.scenario
         if replicas not in self._scaled:
-            self._scaled[replicas] = dataclasses.replace(self.scenario, requests=(self.scenario.requests or 40) * replicas,
-                                                         _base=None, ids={})
+            requests = (self.scenario.requests or 40) * replicas
+            self._scaled[replicas] = dataclasses.replace(self.scenario, requests=requests, _base=None, ids={})
         return self._scaled[replicas]
 
 
@@ -199,7 +199,8 @@ def formats(q: Question) -> list[dict]:
         b = s.above.verdict.binding if s.above else None
         rows.append({"format": name, "max_rate": s.best.rate if s.best else 0.0,
                      "kv_capacity_tokens": dep.kv_capacity_tokens, "weight_bytes": dep.weight_bytes,
-                     "binding": b.lane if b else None, "cause": b.cause if b else None, "speed": b.speed if b else None})
+                     "binding": b.lane if b else None, "cause": b.cause if b else None,
+                     "speed": b.speed if b else None})
     return rows
 
 
@@ -236,7 +237,8 @@ def kv_report(q: Question, best: Point | None) -> dict:
     for lane in q.scenario.workload.lanes:
         tokens = round(lane.prefix_tokens * q.scenario.plan.scale)
         blocks = tokens // dep.block_size
-        lanes[lane.name] = {"prefix_tokens": tokens, "cached_blocks": blocks, "bytes": blocks * dep.block_size * per_token,
+        lanes[lane.name] = {"prefix_tokens": tokens, "cached_blocks": blocks,
+                            "bytes": blocks * dep.block_size * per_token,
                             "share_of_pool": blocks / dep.num_blocks if dep.num_blocks else None,
                             "reuse": lane.prefix_reuse}
     return {"pool": dep.describe.get("memory"), "prefixes": lanes,
@@ -248,8 +250,8 @@ def kv_report(q: Question, best: Point | None) -> dict:
 def answer(q: Question) -> dict:
     """Every question at once, as a JSON-ready report (plan/plan_report.py prints it)."""
     per_replica = search(q, q.deployment)
-    return {"deployment": q.deployment.describe, "goals": {k: [o.name + f"<={o.threshold * 1e3:g}ms" for o in g.objectives]
-                                                            for k, g in q.goals.items()},
+    goals = {k: [o.name + f"<={o.threshold * 1e3:g}ms" for o in g.objectives] for k, g in q.goals.items()}
+    return {"deployment": q.deployment.describe, "goals": goals,
             "per_replica": per_replica.as_dict(), "replicas": replicas_for(q, per_replica),
             "tuning": tune(q, per_replica), "kv": kv_report(q, per_replica.best), "formats": formats(q),
             "pools": pools(q, per_replica)}

@@ -95,8 +95,9 @@ def from_hardware(name: str, model: str, engine: EngineConfig, quantization: str
         else:
             free = hw.memory_bytes * gpu_memory_utilization - weights - activation_reserve_gb * GiB
             if free < bs * per_token:
-                raise ValueError(f"{model} in {dtype} ({weights / 1e9:.1f} GB of weights) leaves no room for a KV cache "
-                                 f"on {hw.description} ({hw.memory_bytes / 1e9:.0f} GB); quantize or pick a bigger device")
+                raise ValueError(f"{model} in {dtype} ({weights / 1e9:.1f} GB of weights) leaves no room for a KV "
+                                 f"cache on {hw.description} ({hw.memory_bytes / 1e9:.0f} GB); quantize or pick a "
+                                 f"bigger device")
             num_blocks = int(free // (bs * per_token))
     limit = engine.scheduler.max_model_len or cfg.max_position_embeddings
 
@@ -133,7 +134,8 @@ def _resolved(sched: SchedulerConfig, limit: int, pool_tokens: int) -> Scheduler
 
 def _memory(num_blocks: int, block_size: int, per_token: int, weights: int, device_bytes: float | None) -> dict:
     return {"memory": {"kv_blocks": num_blocks, "block_size": block_size, "kv_bytes_per_token": per_token,
-                       "kv_pool_bytes": num_blocks * block_size * per_token, "kv_capacity_tokens": num_blocks * block_size,
+                       "kv_pool_bytes": num_blocks * block_size * per_token,
+                       "kv_capacity_tokens": num_blocks * block_size,
                        "weight_bytes": weights, "device_bytes": device_bytes}}
 
 

@@ -41,7 +41,8 @@ def print_plan(report: dict, console: Console) -> None:
         r = report["replicas"]
         console.print(f"\n[bold]replicas for {r['target_rate']:g} req/s[/bold]: "
                       + (f"{r['replicas']} (estimate {r['estimate']}, checked in the simulator behind a least-loaded "
-                         f"router)" if r["replicas"] else f"more than {r['checks'][-1]['replicas']} (none checked met)"))
+                         f"router)" if r["replicas"] else
+                         f"more than {r['checks'][-1]['replicas']} (none checked met)"))
     if report.get("tuning"):
         _tuning(report["tuning"], console)
     _kv(report["kv"], console)
@@ -87,7 +88,8 @@ def _kv(kv: dict, console: Console) -> None:
     pool = kv.get("pool") or {}
     console.print(f"\n[bold]KV[/bold]: {pool.get('kv_capacity_tokens', 0):,} tokens in {pool.get('kv_blocks', 0):,} "
                   f"blocks of {pool.get('block_size')} ({pool.get('kv_pool_bytes', 0) / 1e9:.2f} GB, "
-                  f"{pool.get('kv_bytes_per_token', 0):,} bytes a token); weights {pool.get('weight_bytes', 0) / 1e9:.2f} GB")
+                  f"{pool.get('kv_bytes_per_token', 0):,} bytes a token); "
+                  f"weights {pool.get('weight_bytes', 0) / 1e9:.2f} GB")
     for lane, p in kv["prefixes"].items():
         if p["prefix_tokens"]:
             console.print(f"  {lane}: its pinned prefix holds {p['cached_blocks']} blocks ({p['bytes'] / 1e6:,.1f} MB, "
@@ -103,8 +105,8 @@ def _formats(rows: list[dict], console: Console) -> None:
     for col in ("format", "max rate", "KV tokens", "weights GB", "binds above it"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["format"], _rate(r["max_rate"]), f"{r['kv_capacity_tokens']:,}", f"{r['weight_bytes'] / 1e9:.2f}",
-                      f"{r['binding'] or '-'} ({r['cause'] or '-'})")
+        table.add_row(r["format"], _rate(r["max_rate"]), f"{r['kv_capacity_tokens']:,}",
+                      f"{r['weight_bytes'] / 1e9:.2f}", f"{r['binding'] or '-'} ({r['cause'] or '-'})")
     console.print()
     console.print(table)
 

@@ -265,9 +265,7 @@ class Simulator:
             return
         rep = self._pick("prefill" if self.cfg.disaggregated else "both", req)
         first_only = rep.role == "prefill"
-        engine_req = Request(req.request_id, req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
-                             arrival_time=t, priority=req.priority, max_output_tokens=1 if first_only else req.max_tokens)
-        engine_req.itl_target = req.itl_target
+        engine_req = _engine_request(req, t, 1 if first_only else req.max_tokens)
         req.replica = rep.index
         rep.scheduler.add_request(engine_req)
         self._wake(rep, t)
@@ -325,7 +323,8 @@ class Simulator:
 
     def _finished(self, rep: Replica, req: SimRequest, engine_req: Request, t: float) -> None:
         if rep.role == "prefill" and req.max_tokens > 1:
-            seconds = self.cfg.link_latency_s + len(req.prompt_ids) * self.cfg.kv_bytes_per_token / self.cfg.link_bandwidth
+            cfg = self.cfg
+            seconds = cfg.link_latency_s + len(req.prompt_ids) * cfg.kv_bytes_per_token / cfg.link_bandwidth
             req.transfer_s = seconds
             self._at(t + seconds, _ARRIVE, lambda now: self._transferred(req, engine_req, now))
             return
@@ -334,7 +333,8 @@ class Simulator:
             req.bill.recomputed_tokens += engine_req.bill.prefilled_tokens + engine_req.bill.recomputed_tokens
         else:
             req.clock, req.bill = engine_req.clock, engine_req.bill
-        req.finish_reason, req.num_preemptions = engine_req.finish_reason, req.num_preemptions + engine_req.num_preemptions
+        req.finish_reason = engine_req.finish_reason
+        req.num_preemptions += engine_req.num_preemptions
         self._done(req, t)
 
     def _done(self, req: SimRequest, t: float) -> None:
@@ -351,9 +351,7 @@ class Simulator:
     def _retry_transfers(self, rep: Replica, t: float) -> None:
         while rep.transfers:
             req, prefilled = rep.transfers[0]
-            engine_req = Request(req.request_id, req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
-                                 arrival_time=t, priority=req.priority, max_output_tokens=req.max_tokens)
-            engine_req.itl_target = req.itl_target
+            engine_req = _engine_request(req, t, req.max_tokens)
             engine_req.append_token(prefilled.output_token_ids[0], prefilled.clock.first_token)
             holder = f"kv-transfer:{req.request_id}"
             if not rep.kv.allocate_slots(holder, engine_req.num_tokens):
@@ -365,6 +363,14 @@ class Simulator:
             req.num_preemptions = prefilled.num_preemptions
             rep.scheduler.add_request(engine_req)
             self._wake(rep, t)
+
+
+def _engine_request(req: SimRequest, t: float, max_output_tokens: int) -> Request:
+    """The engine's Request for a SimRequest arriving at t (EOS-free: it runs to its max tokens)."""
+    engine_req = Request(req.request_id, req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
+                         arrival_time=t, priority=req.priority, max_output_tokens=max_output_tokens)
+    engine_req.itl_target = req.itl_target
+    return engine_req
 
 
 def _merged(prefilled: Request, decoding: Request) -> Clock:

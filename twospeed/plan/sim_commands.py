@@ -28,7 +28,8 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="a step profile from `twospeed plan calibrate` (this machine, measured)")
-    src.add_argument("--hardware", help="a hardware profile (`twospeed clock --list-hardware`) or 'local': the roofline")
+    src.add_argument("--hardware",
+                     help="a hardware profile (`twospeed clock --list-hardware`) or 'local' (measured): the roofline")
     p.add_argument("--quantization", choices=("none", "int8", "fp8"), help="weights' format (roofline)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), help="KV cache format (roofline)")
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="roofline: share of peak FLOP/s (0.5)")
@@ -62,6 +63,10 @@ def _replica(args: argparse.Namespace):
     from twospeed.plan import deployment as dp
     from twospeed.plan.step_cost import Efficiency
 
+    if args.profile and args.model == "demo":  # --model left at its default: the model the profile was fitted on
+        from twospeed.plan.profile import Profile
+
+        args.model = Profile.load(args.profile).model or "demo"
     engine = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     if args.profile:
         return dp.from_profile(args.profile, engine)
@@ -150,7 +155,8 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     print_diagnosis(doc, console)
     if args.out:
         write(doc, Path(args.out), report=not args.no_report)
-        console.print(f"wrote {args.out}/results.json, requests.csv, jobs.csv{'' if args.no_report else ', report.html'}")
+        extra = "" if args.no_report else ", report.html"
+        console.print(f"wrote {args.out}/results.json, requests.csv, jobs.csv{extra}")
     return 0
 
 
@@ -195,8 +201,8 @@ def question(args: argparse.Namespace):
     if scenario.requests is None and scenario.duration is None:
         scenario.requests = max(200, 4 * seats)  # per replica: enough for p99 goals and for a backlog to show
     if scenario.requests is not None and scenario.requests < 4 * seats:
-        raise ValueError(f"--requests {scenario.requests} is under 4 x --max-num-seqs ({seats}): a burst that fits a few "
-                         f"batches shows no backlog at any rate; ask for more requests or fewer sequences")
+        raise ValueError(f"--requests {scenario.requests} is under 4 x --max-num-seqs ({seats}): a burst that fits a "
+                         f"few batches shows no backlog at any rate; ask for more requests or fewer sequences")
     goals = goals_for(scenario.workload, slos)
     if not args.no_slo_steps:
         scenario.itl_targets = {lane: g.lane_slo().itl_target for lane, g in goals.items()}
@@ -208,10 +214,10 @@ def question(args: argparse.Namespace):
             q, _, kv = spec.partition("/")
             formats[spec] = (lambda q=q, kv=kv: _replica(argparse.Namespace(**{
                 **vars(args), "quantization": q, "kv_cache_dtype": kv or "auto"})))
+    ints = lambda text: tuple(int(x) for x in _floats(text))  # noqa: E731
     return Question(scenario, replica, goals, start, args.tolerance, args.target_rate,
-                    () if quick else _floats(args.tune_step_ms), () if quick else tuple(int(x) for x in _floats(args.tune_budgets)),
-                    formats, () if quick else tuple(int(x) for x in _floats(args.pool_gpus)),
-                    args.link_gbs * 1e9, args.link_latency_ms / 1e3)
+                    () if quick else _floats(args.tune_step_ms), () if quick else ints(args.tune_budgets),
+                    formats, () if quick else ints(args.pool_gpus), args.link_gbs * 1e9, args.link_latency_ms / 1e3)
 
 
 def run_plan_command(args: argparse.Namespace) -> int:

@@ -64,8 +64,8 @@ def run(scenario: Scenario, deployment: Deployment, rate: float | None = None, *
     planner, plan = scenario.plan_at(rate)
     cfg = deployment.sim_config(**topology)
     seeds = iter(range(10**6))
-    sim = Simulator(cfg, deployment.cost_model,
-                    timer=lambda model: ModelTimer(model, scenario.step_noise, seed=scenario.plan.seed * 1000 + next(seeds)))
+    noise, seed = scenario.step_noise, scenario.plan.seed * 1000
+    sim = Simulator(cfg, deployment.cost_model, timer=lambda model: ModelTimer(model, noise, seed=seed + next(seeds)))
     traffic = SimTraffic(sim, scenario.workload, scenario.counter, scenario.itl_targets, scenario.plan.seed,
                          scenario.ids)
     traffic.add_plan(plan)

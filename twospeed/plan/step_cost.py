@@ -81,4 +81,5 @@ class RooflineCost:
 
     def bound(self, shape: StepShape) -> str:
         """Which roof the step sits under: "compute" or "bandwidth"."""
-        return "compute" if self.flops(shape) / self.flops_per_s >= self.bytes(shape) / self.bytes_per_s else "bandwidth"
+        compute, memory = self.flops(shape) / self.flops_per_s, self.bytes(shape) / self.bytes_per_s
+        return "compute" if compute >= memory else "bandwidth"

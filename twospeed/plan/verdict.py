@@ -127,7 +127,7 @@ class Verdict:
             return None
         if self.stable or not all(v.met for v in self.lanes.values()):
             return min(self.lanes.values(), key=lambda v: (v.margin, -sum(v.causes.values())))
-        lane = self.lanes[self.backlog["lane"]] if self.backlog.get("lane") in self.lanes else next(iter(self.lanes.values()))
+        lane = self.lanes.get(self.backlog.get("lane")) or next(iter(self.lanes.values()))
         return LaneVerdict(lane.lane, lane.requests, lane.met_requests, lane.target, Counter({"backlog": 1}),
                            lane.missed_objectives)
 
