@@ -97,10 +97,11 @@ class Plan:
 
 
 @contextlib.contextmanager
-def twospeed_server(plan: Plan, variant: str, log: Path):
-    """`twospeed serve` with the peers' settings and the variant's flags; stopped (process group) on exit."""
+def twospeed_server(plan: Plan, variant: str, log: Path, flags: tuple[str, ...] = ()):
+    """`twospeed serve` with the peers' settings and the variant's flags (then `flags`, which win over both);
+    stopped (process group) on exit."""
     port = free_port()
-    extra = [a for f in VARIANTS[variant] for a in (slo_flags("mixed") if f == "@slo" else [f])]
+    extra = [a for f in VARIANTS[variant] for a in (slo_flags("mixed") if f == "@slo" else [f])] + list(flags)
     s = SETTINGS
     cmd = [sys.executable, "-m", "twospeed.cli", "serve", "--model", str(plan.model), "--served-model-name", "bench",
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(s.max_num_seqs),

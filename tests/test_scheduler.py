@@ -1,7 +1,7 @@
 """Scheduler bookkeeping without a model: exact step-by-step chunk lists, then random operations.
 
 A `Sim` drives `Scheduler` + `KVCacheManager` as `LLMEngine.step()` does (schedule, "run",
-update_after_step, sample one token per sampling chunk, finish at max tokens), with a fake
+update_after_step, sample one token per sampling chunk, the engine's stop policy), with a fake
 clock and a fake model whose next token depends only on the tokens so far, so a request's
 output is the same whatever the batch, chunking or preemption. The "runner" writes each
 computed position's prefix into the slot its block table names, so a test can check that
@@ -24,6 +24,7 @@ from twospeed.engine.kv_cache import KVCacheManager, hash_block_tokens
 from twospeed.engine.request import Request, RequestStatus
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
+from twospeed.engine.stop import finish_if_stopped
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -87,8 +88,7 @@ class Sim:
             r = c.request
             if c.samples:
                 r.append_token(fake_token(r.all_token_ids), self.t)
-                if len(r.output_token_ids) >= r.max_output_tokens:
-                    self.sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+                finish_if_stopped(self.sched, r, r.output_token_ids[-1:])
         self.outputs.append(out)
         return out
 

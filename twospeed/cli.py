@@ -245,6 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     clock = sub.add_parser("clock", help="toy two-clocks model of prefill vs decode, or the roofline of a model")
     add_clock_args(clock)
     clock.set_defaults(func=run_clock)
+    from twospeed.plan import sim_commands as planner  # the planner's flags live with the planner
+
+    # conflict_handler: the planner's own format flags win over engine flags of the same name
+    simulate = sub.add_parser("simulate", conflict_handler="resolve",
+                              help="a workload through simulated replicas (the engine's own scheduler): results.json")
+    planner.add_simulate_args(simulate)
+    simulate.set_defaults(func=planner.run_simulate_command)
+    plan = sub.add_parser("plan", conflict_handler="resolve",
+                          help="capacity: max rate per replica under every lane's SLO, replicas, budgets, formats, "
+                               "pools; `plan calibrate` fits a step profile on the live engine")
+    planner.add_plan_args(plan)
+    plan.set_defaults(func=planner.run_plan_command)
     from twospeed.lab import commands as lab  # the lab's flags live with the lab
 
     bench = sub.add_parser("bench", help="replay a workload against an OpenAI-compatible server; per-lane report")

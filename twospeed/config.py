@@ -1,7 +1,10 @@
 """Configuration, composed per area and passed down explicitly.
 
 Each field says its unit. `EngineConfig` is what `LLM(...)` and the CLI build;
-every other module receives only the part it needs.
+every other module receives only the part it needs. No torch at import: the
+bookkeeping (scheduler, KV cache, requests) and the planner's simulator read
+these dataclasses without loading it; `DTYPES` (names -> torch dtypes) is built
+on first use.
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 def cache_root() -> Path:
     """Where twospeed keeps what it builds on first use (the demo checkpoint, compiled kernels):
@@ -20,7 +25,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("TWOSPEED_CACHE") or Path.home() / ".cache" / "twospeed")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes `dtype` may name
+_dtypes: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """DTYPES, {name: torch dtype} for DTYPE_NAMES: torch is imported on first use, not with this module."""
+    if name != "DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _dtypes:
+        import torch
+
+        _dtypes.update((n, getattr(torch, n)) for n in DTYPE_NAMES)
+    return _dtypes
+
+
+def _float32() -> torch.dtype:
+    import torch
+
+    return torch.float32
 
 
 @dataclass(slots=True)
@@ -47,7 +70,7 @@ class ModelConfig:
     sliding_window: int | None = None  # tokens a query may look back (Mistral); None = full
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32  # the checkpoint's own dtype
+    dtype: torch.dtype = field(default_factory=_float32)  # the checkpoint's own dtype
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -156,8 +179,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
 

@@ -143,13 +143,7 @@ class LinearCostModel:
         # machine that really got slower still pulls the fit its way, step after step.
         if self.num_observed > 20 and predicted > 0:
             seconds = min(max(seconds, predicted / 1.5), 1.5 * predicted)
-        x = [f / k for f, k in zip(shape.features(), _SCALES)]
-        lam = self.forgetting
-        for i in range(_N):
-            row, xi = self._gram[i], x[i]
-            for j in range(_N):
-                row[j] = lam * row[j] + xi * x[j]
-            self._rhs[i] = lam * self._rhs[i] + xi * seconds
+        self._accumulate(shape, seconds)
         self._fit()
 
     # -- what it knows --------------------------------------------------------------------------
@@ -180,7 +174,32 @@ class LinearCostModel:
             raise ValueError(f"a profile for features {profile.get('features')}, not {list(FEATURES)}")
         return cls(profile["coefficients"], key=profile.get("key", ""), online=online, **options)
 
+    @classmethod
+    def fit(cls, observations: Iterable[tuple[StepShape, float]], prior: Sequence[float], *, key: str = "",
+            ridge: float = 1e-12) -> LinearCostModel:
+        """One fit over every (shape, seconds) at once, none forgotten or clipped: a fixed profile from a calibration
+        sweep (plan/calibrate.py). The same non-negative least squares the online model solves after each step, with
+        a lighter pull towards the prior (`ridge`): a sweep varies every feature, the prior only breaks ties."""
+        model = cls(prior, key=key, online=False, forgetting=1.0, ridge=ridge)
+        for shape, seconds in observations:
+            if shape.num_tokens and seconds > 0 and math.isfinite(seconds):
+                model._accumulate(shape, seconds)
+                model.num_observed += 1
+        if model.num_observed:
+            model._fit()
+        return model
+
     # -- the fit ---------------------------------------------------------------------------------
+    def _accumulate(self, shape: StepShape, seconds: float) -> None:
+        """Add one observation to the normal equations, the older ones decayed by the forgetting factor."""
+        x = [f / k for f, k in zip(shape.features(), _SCALES)]
+        lam = self.forgetting
+        for i in range(_N):
+            row, xi = self._gram[i], x[i]
+            for j in range(_N):
+                row[j] = lam * row[j] + xi * x[j]
+            self._rhs[i] = lam * self._rhs[i] + xi * seconds
+
     def _fit(self) -> None:
         """min ||X c - y||^2 + ridge ||c - prior||^2 over c >= 0, as a bound-constrained quadratic."""
         r = self.ridge * max(1.0, sum(self._gram[i][i] for i in range(_N)) / _N)

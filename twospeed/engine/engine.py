@@ -39,6 +39,7 @@ from twospeed.engine.runner import ModelRunner, num_blocks_for
 from twospeed.engine.sampler import Sampler
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
+from twospeed.engine.stop import finish_if_stopped
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
@@ -294,23 +295,8 @@ class LLMEngine:
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
     def _check_stop(self, req: Request) -> None:
-        token = req.output_token_ids[-1]
-        stop_str = req.detokenizer.add_tokens([token]) if req.detokenizer is not None else None
-        status, reason = None, None
-        if len(req.output_token_ids) >= req.params.min_tokens:
-            if token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in req.params.stop_token_ids:
-                status, reason = RequestStatus.FINISHED_STOPPED, token
-            elif stop_str is not None:
-                status, reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif req.grammar is not None and req.grammar.is_complete:
-                status = RequestStatus.FINISHED_STOPPED  # the document is complete: stop without waiting for EOS
-        if status is None and len(req.output_token_ids) >= req.max_output_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            req.stop_reason = reason
-            self.scheduler.finish_request(req, status)
+        """The stop policy (engine/stop.py, shared with the planner's simulator) on the token just appended."""
+        finish_if_stopped(self.scheduler, req, req.output_token_ids[-1:])
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.output_token_ids[req.num_emitted:]

@@ -151,13 +151,14 @@ class KVCacheManager:
     returns False and changes nothing when the pool cannot cover the request.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, pool: BlockPool | None = None):
+        """pool: a BlockPool of num_blocks to use (the simulator's lazy one); None makes one."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching) if pool is None else pool
         self.prefix_cache_queries = 0  # prompt tokens looked up in find_cached_prefix
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self._tables: dict[str, list[KVBlock]] = {}

@@ -54,6 +54,14 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     # HBM2e at 2,039 GB/s.
     HardwareProfile("a100-80gb", "NVIDIA A100 80GB SXM", {"bfloat16": 312 * TERA, "float32": 19.5 * TERA},
                     2039 * GIGA, 80e9, "NVIDIA A100 datasheet (80GB SXM; dense)"),
+    # NVIDIA L40S datasheet: BF16 tensor 362.05 TFLOPS dense (733 with sparsity), FP32 91.6 TFLOPS, GDDR6 48 GB at
+    # 864 GB/s (PCIe, no NVLink).
+    HardwareProfile("l40s", "NVIDIA L40S 48GB", {"bfloat16": 362.05 * TERA, "float32": 91.6 * TERA},
+                    864 * GIGA, 48e9, "NVIDIA L40S datasheet (dense = half the sparsity figure)"),
+    # NVIDIA HGX B200 datasheet, per GPU: FP16/BF16 tensor 4.5 PFLOPS with sparsity (2.25 dense), FP32 75 TFLOPS,
+    # HBM3e 180 GB at 7.7 TB/s (the 1,000 W HGX part; the GB200 part is clocked higher).
+    HardwareProfile("b200", "NVIDIA B200 180GB (HGX)", {"bfloat16": 2250 * TERA, "float32": 75 * TERA},
+                    7.7 * TERA, 180e9, "NVIDIA HGX B200 datasheet, per GPU (dense = half the sparsity figure)"),
     # NVIDIA L4 datasheet: BF16 tensor 242 TFLOPS with sparsity (121 dense), FP32 30.3 TFLOPS,
     # GDDR6 24 GB at 300 GB/s.
     HardwareProfile("l4", "NVIDIA L4 24GB", {"bfloat16": 121 * TERA, "float32": 30.3 * TERA},

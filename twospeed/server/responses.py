@@ -11,9 +11,12 @@ import json
 import math
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from twospeed.engine.request import Clock, Logprob, percentile
-from twospeed.server.async_engine import StreamItem
+
+if TYPE_CHECKING:  # annotations only: the planner's simulator writes clocks without the engine (or torch)
+    from twospeed.server.async_engine import StreamItem
 
 
 # -- the split clock and bill in responses ---------------------------------------------------------
