@@ -166,7 +166,10 @@ class EngineConfig:
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
-    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernel, else oneDNN-packed), "cpu", "onednn", "torch"
+    # Weight-only quantization at load: None (the checkpoint's weights), "int8" or "fp8" (a float32 scale per output
+    # row; one byte a weight: half the bytes a bf16 decode step reads). model/quant.py
+    quantization: str | None = None
+    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernels, else oneDNN-packed), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
     # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
     # False starts from a roofline guess, which the engine's own steps then correct.
@@ -183,6 +186,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        from twospeed.model.formats import weight_format
+
+        weight_format(self.quantization)  # a known name (torch-free check)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
