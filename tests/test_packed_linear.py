@@ -132,7 +132,7 @@ def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
     runs = []
     for backend in backends:
         llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
-                  max_num_batched_tokens=24)
+                  max_num_batched_tokens=24, num_gpu_blocks=64)
         assert llm.engine.model.lm_head.backend == backend
         runs.append(llm.generate(prompts, params))
     return runs
