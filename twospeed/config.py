@@ -93,12 +93,18 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # blocks in the pool; None = derive from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # GiB for the pool when num_gpu_blocks is None
     enable_prefix_caching: bool = True  # share full blocks between requests by hash chain
+    # How K and V are stored: "auto" (the model's dtype), "int8" (a bf16 scale per token and KV head) or "fp8"
+    # (e4m3); one byte an element holds about twice the tokens in the same kv_cache_memory_gb. model/kv_format.py
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        from twospeed.model.formats import kv_format
+
+        kv_format(self.kv_cache_dtype)  # a known name (torch-free check)
 
 
 @dataclass(slots=True)

@@ -109,7 +109,7 @@ class LLMEngine:
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend,
-                                quantization=config.quantization)
+                                quantization=config.quantization, kv_cache_dtype=cache.kv_cache_dtype)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)

@@ -7,7 +7,9 @@ against (tests/test_cpu_attention.py). Two libraries, compiled on first use (mod
 - csrc/paged_attention.c (any x86/ARM compiler target): decodes in fp32, and in bf16 where the first does not
   build. Prefill chunks there keep the portable batched SDPA.
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
-`load_kernel()` returns None and the engine uses the portable path.
+`load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
+model/kv_format.py) is read in place by csrc/paged_attention.c's *_i8 / *_f8 decodes; its prefill chunks and
+cache writes take the portable path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
 from twospeed.model.cbuild import load_library
+from twospeed.model.kv_format import KVFormat
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -28,7 +31,8 @@ _I = ctypes.c_int
 def load_kernel() -> ctypes.CDLL | None:
     """csrc/paged_attention.c (built once per source, compiler and CPU; model/cbuild.py), or None."""
     decode = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
-    kernel = load_library("paged_attention", {"paged_decode_bf16": decode, "paged_decode_f32": decode})
+    kernel = load_library("paged_attention", {f"paged_decode_{t}{kv}": decode for t in ("bf16", "f32")
+                                              for kv in ("", "_i8", "_f8")})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(3)]
@@ -63,8 +67,9 @@ def kernel_supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes through the in-place C kernels; bf16 prefill chunks too where the AVX-512 BF16 kernel builds."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 kv: KVFormat | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, kv)
         self.kernel = load_kernel()
         self.window = sliding_window or 0
         self.scale = head_dim ** -0.5
@@ -77,10 +82,7 @@ class CpuPagedAttention(TorchPagedAttention):
                out: torch.Tensor) -> None:
         if q.device.type != "cpu" or k_cache.shape[1] > self.kernel.limits[2]:
             return super().decode(q, k_cache, v_cache, meta, out)
-        if q.dtype == torch.bfloat16:
-            fn = self.bf16_kernel.decode_attention_bf16 if self.bf16_kernel else self.kernel.paged_decode_bf16
-        else:
-            fn = self.kernel.paged_decode_f32
+        fn = self._decode_fn(q.dtype)
         q = q.contiguous()
         threads = torch.get_num_threads()
         for group in meta.decodes:
@@ -90,12 +92,21 @@ class CpuPagedAttention(TorchPagedAttention):
                out[s].data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
                tables.shape[1], self.window, self.scale, threads)
 
+    def _decode_fn(self, dtype: torch.dtype):
+        """The decode kernel for this query dtype and cache format."""
+        if self.kv.quantized:
+            suffix = {1: "_i8", 2: "_f8"}[self.kv.code]
+            return getattr(self.kernel, f"paged_decode_{'bf16' if dtype == torch.bfloat16 else 'f32'}{suffix}")
+        if dtype == torch.bfloat16:
+            return self.bf16_kernel.decode_attention_bf16 if self.bf16_kernel else self.kernel.paged_decode_bf16
+        return self.kernel.paged_decode_f32
+
     def fused_rope_ok(self, qkv: torch.Tensor) -> bool:
         """forward_fused applies: bf16 on CPU with both kernels (its prefill must not need the fresh k, v), and a
         decode-sized step: the kernel's RoPE is scalar, slower than torch's vector ops over a long prefill
         (1024 tokens: +18 ms) and faster where torch's per-op dispatch dominates (batch 1: -0.5 ms a step)."""
         return (qkv.shape[0] <= 64 and self.prefill_kernel is not None and qkv.dtype == torch.bfloat16
-                and qkv.device.type == "cpu" and qkv.stride(1) == 1)
+                and qkv.device.type == "cpu" and qkv.stride(1) == 1 and not self.kv.quantized)
 
     def forward_fused(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -117,7 +128,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
-        if batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        if (batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu"
+                or self.kv.quantized):
             return super().prefill(q, k, v, k_cache, v_cache, meta, out)
         q = q.contiguous()
         # K/V of these chunks are already in the cache (write_cache ran first): the kernel reads them there
@@ -129,9 +141,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
-                   device: torch.device | str, dtype: torch.dtype) -> TorchPagedAttention:
+                   device: torch.device | str, dtype: torch.dtype, kv: KVFormat | None = None) -> TorchPagedAttention:
     """backend "auto": the C kernel on CPU where it builds and fits the shapes, else portable; "torch": portable;
-    "cpu": the kernel or an error."""
+    "cpu": the kernel or an error. kv: how the cache stores K and V (model/kv_format.py; default the model's dtype)."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     fits = torch.device(device).type == "cpu" and kernel_supports(num_heads, num_kv_heads, head_dim, 1, dtype)
@@ -139,5 +151,5 @@ def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: in
         raise ValueError("attention_backend 'cpu' needs a CPU device, a C compiler, bf16 or fp32, "
                          "at most 16 query heads per KV head and head_dim <= 256")
     if backend != "torch" and fits:
-        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, sliding_window)
-    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, sliding_window, kv)
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim, kv)

@@ -25,6 +25,7 @@ from twospeed.config import ModelConfig
 from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cpu_attention import make_attention
 from twospeed.model.fused_ops import rms_norm, silu_mul
+from twospeed.model.kv_format import KVFormat
 from twospeed.model.weight_format import FormatLinear, WeightFormat
 
 
@@ -90,7 +91,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto", kv: KVFormat | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -101,7 +102,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # built under load_model's default device and dtype, which pick the backend
         self.attn = make_attention(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype())
+                                   cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype(), kv)
         # one C pass for RoPE + cache write where the backend has it (Qwen3's q/k norms come first: not fused)
         self.fused_rope = hasattr(self.attn, "forward_fused") and self.q_norm is None
 
@@ -138,10 +139,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto", kv: KVFormat | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, fmt, attention_backend)
+        self.self_attn = Attention(cfg, fmt, attention_backend, kv)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, fmt)
 
@@ -162,16 +163,17 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, attention_backend: str = "auto",
-                 weight_format: WeightFormat | None = None):
+                 weight_format: WeightFormat | None = None, kv_format: KVFormat | None = None):
         super().__init__()
         from twospeed.model.packed_linear import DenseFormat, PlainWeight
 
         fmt = weight_format or DenseFormat(PlainWeight)
-        self.cfg, self.weight_format = cfg, fmt
+        self.cfg, self.weight_format, self.kv_format = cfg, fmt, kv_format or KVFormat()
         dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, fmt, attention_backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fmt, attention_backend, self.kv_format)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The logits matmul is a linear of the model's format. Tied to the embedding, it either reads the table
         # itself (plain weights) or holds its own copy in its format (packed or quantized), loaded from the table.

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from twospeed.config import DTYPES, ModelConfig
+from twospeed.model.kv_format import make_kv_format
 from twospeed.model.llama import LlamaForCausalLM
 from twospeed.model.weight_format import ShapeMismatch, default_weight_loader, make_weight_format
 
@@ -141,13 +142,16 @@ def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                max_positions: int | None = None, linear_backend: str = "auto",
-               attention_backend: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
+               attention_backend: str = "auto", quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> LlamaForCausalLM:
     """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights.
 
     quantization: None (the checkpoint's weights in `dtype`), "int8" or "fp8" (quantized at load, model/quant.py).
     linear_backend: "auto" (on CPU in bf16 the C kernels: weights packed once; else oneDNN or the portable path;
     model/packed_linear.py), "cpu", "onednn" (unquantized only) or "torch" (portable).
-    attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu"."""
+    attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu".
+    kv_cache_dtype: how the attention layers store K and V: "auto" (the model's dtype), "int8" or "fp8"
+    (model/kv_format.py); the runner allocates the cache to match (model.kv_format)."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
     fmt = make_weight_format(quantization, linear_backend, device, dtype)
@@ -155,7 +159,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt)
+            model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt, make_kv_format(kv_cache_dtype))
             model.requires_grad_(False)
             load_weights(model, path)
             model.finish_loading()
