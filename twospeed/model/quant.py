@@ -13,7 +13,7 @@ the bf16 kernel's). A decode step reads one byte a weight instead of two.
 Two implementations behind `Q8Linear.forward`, tested against each other and a float64 reference
 (tests/test_quant.py):
 - `Q8Kernel` (CPU, bf16 activations): csrc/linear_q8.c. Decode-sized steps widen the bytes in registers
-  (AVX-512 BF16); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a panel of weights to bf16
+  (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a panel of weights to bf16
   once per call in cache and run AMX tile dot products over every row (prefill chunks).
 - the portable path (any device, any dtype): the same formula in float32 torch ops.
 
@@ -47,9 +47,10 @@ def q8_kernel() -> ctypes.CDLL | None:
     """csrc/linear_q8.c, built on first use; None without a compiler or AVX-512 BF16. `amx` says whether its
     AMX kernel runs here (compiled for AMX and the OS granted the tile state)."""
     lib = load_library("linear_q8", {"linear_q8_pack": [_P, _P, _I, _I, _I], "linear_q8": _SIGNATURE,
-                                     "linear_q8_amx": _SIGNATURE})
+                                     "linear_q8_amx": _SIGNATURE, "linear_q8_init": []})
     if lib is not None:
-        lib.tile_rows = lib.linear_q8_tile_rows()
+        lib.linear_q8_init()  # the widening tables
+        lib.linear_q8_packed_bytes.argtypes, lib.linear_q8_packed_bytes.restype = [_I, _I], _L
         lib.linear_q8_amx_init.restype = ctypes.c_int
         lib.amx = bool(lib.linear_q8_amx_init())
     return lib
@@ -62,8 +63,8 @@ class Q8Kernel:
         lib = q8_kernel()
         self.out_features, self.in_features = q.shape
         self.code, self.scale = code, scale.contiguous()
-        tiles = -(-self.out_features // lib.tile_rows)
-        self.packed = torch.empty(tiles * lib.tile_rows * self.in_features, dtype=torch.uint8, device=q.device)
+        size = lib.linear_q8_packed_bytes(self.out_features, self.in_features)
+        self.packed = torch.empty(size, dtype=torch.uint8, device=q.device)
         lib.linear_q8_pack(q.contiguous().view(torch.uint8).data_ptr(), self.packed.data_ptr(), self.out_features,
                            self.in_features, torch.get_num_threads())
         self.amx = lib.amx and self.in_features % 32 == 0
