@@ -122,7 +122,9 @@ def lane_report(lane: str, base: Side, cand: Side, counter, cfg: GateConfig, gre
     rb, rc = _paired(base.doc, cand.doc, lane)
     sb, sc = base.doc["lanes"][lane], cand.doc["lanes"][lane]
     drop = gate_verdict.mcnemar_drop([r["gate_passed"] for r in rb], [r["gate_passed"] for r in rc])
-    judgement = gate_verdict.judge_lane(lane, sb, sc, drop, cfg.alpha, cfg.latency_tolerance)
+    slower = {label: gate_verdict.paired_slower([r[field] for r in rb], [r[field] for r in rc], cfg.latency_tolerance)
+              for label, _, _, field in gate_verdict.LATENCY}
+    judgement = gate_verdict.judge_lane(lane, sb, sc, drop, slower, cfg.alpha, cfg.latency_tolerance)
     if sb["gate"]["rate"] is not None and sb["gate"]["rate"] < 0.5:
         judgement.notes.append(f"the baseline passes only {sb['gate']['rate']:.0%} of this lane's gate: it can "
                                "hardly show a regression here (a model that has learned the lane's format can)")
@@ -132,10 +134,11 @@ def lane_report(lane: str, base: Side, cand: Side, counter, cfg: GateConfig, gre
     tokens = [r["prompt_tokens"] + r["output_tokens"] for r in rb if r["error"] is None]
     length = float(np.median(tokens)) if tokens else None
     latency = {label: {side: s["stats"][m][q] for side, s in (("baseline", sb), ("candidate", sc))}
-               for label, m, q in gate_verdict.LATENCY}
+               for label, m, q, _ in gate_verdict.LATENCY}
     return {
         "verdict": judgement.as_dict(),
         "gate": {"baseline": _rate(sb), "candidate": _rate(sc), "paired": drop},
+        "latency_paired": slower,
         "latency_s": latency,
         "output_tokens_per_s": {"baseline": sb["throughput"]["output_tokens_per_s"],
                                 "candidate": sc["throughput"]["output_tokens_per_s"]},

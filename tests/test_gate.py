@@ -1,0 +1,146 @@
+"""The quantization gate: its statistics against brute force and exact values, the verdict rules on hand-built
+runs, and `twospeed gate` end to end against two `twospeed serve` processes (ship, no-ship with the reason, the
+exit codes, a reused baseline, `twospeed compare` on the two runs)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+from twospeed.cli import main
+from twospeed.lab import gate_verdict, probes
+from twospeed.lab.compare import load_runs
+from twospeed.lab.gate import GateConfig
+
+
+@pytest.mark.parametrize("lost,gained", [(0, 0), (1, 0), (3, 1), (5, 0), (4, 4), (2, 7)])
+def test_paired_drop_p_value_is_the_exact_binomial_tail(lost, gained):
+    base = [True] * lost + [False] * gained + [True] * 3 + [False] * 2  # + agreeing pairs, which do not count
+    cand = [False] * lost + [True] * gained + [True] * 3 + [False] * 2
+    d = gate_verdict.mcnemar_drop(base, cand)
+    assert (d["lost"], d["gained"], d["pairs"]) == (lost, gained, lost + gained + 5)
+    n = lost + gained
+    brute = sum(sum(o) >= lost for o in itertools.product((0, 1), repeat=n)) / 2 ** n  # every coin-flip outcome
+    assert d["p_value"] == pytest.approx(brute if lost else 1.0)
+    if (lost, gained) == (5, 0):
+        assert d["p_value"] == 1 / 32
+
+
+def test_token_agreement_and_first_divergence():
+    assert gate_verdict.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert gate_verdict.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert gate_verdict.first_divergence([1, 2], [1, 2, 3]) == 2
+    a = gate_verdict.token_agreement([([1, 2], [1, 2]), ([1, 2, 3], [1, 2, 4]), ([7], [8])])
+    assert a["pairs"] == 3 and a["exact_match"] == pytest.approx(1 / 3)
+    assert a["first_divergence_min"] == 0 and a["first_divergence_p50"] == 1.0
+
+
+def test_kl_on_the_top_k_equals_the_exact_kl_when_the_top_k_is_everything():
+    p = {"a": 0.5, "b": 0.3, "c": 0.2}
+    q = {"a": 0.4, "b": 0.4, "c": 0.2}
+    exact = sum(p[t] * math.log(p[t] / q[t]) for t in p)
+    lp = {t: math.log(v) for t, v in p.items()}
+    lq = {t: math.log(v) for t, v in q.items()}
+    assert probes.kl_topk(lp, lq) == pytest.approx(exact)
+    assert probes.kl_topk(lp, lp) == pytest.approx(0.0, abs=1e-12)
+    # a token the candidate dropped from its top-k costs at least what its k-th token's probability implies
+    assert probes.kl_topk(lp, {"a": math.log(0.9), "b": math.log(0.05)}) > probes.kl_topk(lp, lq)
+    c = probes.compare([lp, lp, None], [lq, {"b": 0.0}, lp])
+    assert c["probes"] == 2 and c["failed"] == 1 and c["top1_agreement"] == 0.5
+
+
+def summary(rate: float, n: int, ttft: float, ttft_ci, itl: float = 0.02, itl_ci=(0.019, 0.021), errors: int = 0) -> dict:
+    stat = {"ttft": {"p50": ttft, "p50_ci": list(ttft_ci), "p99": ttft, "p99_ci": list(ttft_ci)},
+            "itl": {"p50": itl, "p50_ci": list(itl_ci), "p99": itl, "p99_ci": list(itl_ci)}}
+    return {"requests": n, "errors": errors, "stats": stat, "gate": {"rate": rate}}
+
+
+def slower(k: int, n: int) -> dict:
+    """Every latency metric: k of n paired requests slower beyond the tolerance."""
+    p = gate_verdict.paired_slower([1.0] * n, [2.0] * k + [1.0] * (n - k), 0.1)
+    return {label: p for label, *_ in gate_verdict.LATENCY}
+
+
+def test_paired_sign_test():
+    p = gate_verdict.paired_slower([1.0, 1.0, 1.0, None], [1.2, 1.05, 2.0, 3.0], 0.1)
+    assert (p["pairs"], p["slower"], p["p_value"]) == (3, 2, 0.5)
+
+
+def test_verdict_rules():
+    base, none = summary(1.0, 20, 0.5, (0.45, 0.55)), slower(0, 20)
+    drop = gate_verdict.mcnemar_drop([True] * 20, [True] * 12 + [False] * 8)
+    j = gate_verdict.judge_lane("agent", base, summary(0.6, 20, 0.5, (0.45, 0.55)), drop, none)
+    assert not j.ship and j.reasons[0].startswith("gate pass dropped beyond the noise: 100% -> 60%")
+    one = gate_verdict.mcnemar_drop([True] * 20, [True] * 19 + [False])
+    j = gate_verdict.judge_lane("agent", base, summary(0.95, 20, 0.52, (0.47, 0.57)), one, none)
+    assert j.ship and "within the noise" in j.notes[0]
+    slow = gate_verdict.judge_lane("agent", base, summary(1.0, 20, 0.9, (0.85, 0.95)), one, slower(18, 20))
+    assert not slow.ship and any(r.startswith("latency got worse: TTFT p50") for r in slow.reasons)
+    # each of the three conditions alone is not enough: beyond the tolerance but inside the noise (intervals
+    # overlap), or too few pairs slower, or worse beyond the noise but inside the tolerance
+    assert gate_verdict.judge_lane("a", base, summary(1.0, 20, 0.7, (0.5, 0.9)), one, slower(20, 20)).ship
+    assert gate_verdict.judge_lane("a", base, summary(1.0, 20, 0.9, (0.85, 0.95)), one, slower(13, 20)).ship
+    assert gate_verdict.judge_lane("a", base, summary(1.0, 20, 0.54, (0.56, 0.58)), one, slower(20, 20)).ship
+    assert gate_verdict.judge_lane("a", base, summary(1.0, 4, 0.9, (0.85, 0.95)), one, slower(4, 4)).ship  # 4 pairs
+    assert gate_verdict.judge_lane("a", base, summary(1.0, 20, 0.2, (0.15, 0.25)), one, none).ship  # faster
+    failing = gate_verdict.judge_lane("a", base, summary(1.0, 20, 0.5, (0.45, 0.55), errors=3), one, none)
+    assert not failing.ship and "3 requests failed" in failing.reasons[0]
+
+
+def test_kv_capacity_from_the_servers_memory():
+    memory = {"num_blocks": 100, "block_size": 16, "kv_bytes_per_token": 66, "kv_cache_dtype": "int8"}
+    c = gate_verdict.kv_capacity(memory, 250.0)
+    assert c["max_tokens"] == 1600 and c["max_sequences"] == 100 // 16
+    assert gate_verdict.kv_capacity(None, 250.0) is None
+
+
+def test_gate_flags_are_checked():
+    with pytest.raises(ValueError, match="--model"):
+        GateConfig("", "--model other")
+    assert GateConfig("--dtype bfloat16", "--quantization 'int8'").candidate_flags == ["--quantization", "int8"]
+    assert main(["gate", "--candidate=--port 9", "--out", "/nonexistent/x"]) == 2
+
+
+# -- end to end against twospeed serve on the demo model ----------------------------------------------------
+SERVE = "--kv-cache-memory-gb 0.05"
+# about 6 requests a lane (the sign test needs 5 pairs to call a latency worse); a latency must be over twice the
+# baseline's to count (a shared machine's noise stays under that)
+RUN = ["--requests", "24", "--rate", "8", "--scale", "0.15", "--probes-per-lane", "1", "--latency-tolerance", "1.0"]
+
+
+@pytest.fixture(scope="module")
+def same_config_gate(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate") / "same"
+    rc = main(["gate", "--baseline", SERVE, "--candidate", SERVE, "--out", str(out), *RUN])
+    return rc, out
+
+
+def test_the_same_configuration_ships(same_config_gate):
+    rc, out = same_config_gate
+    doc = json.loads((out / "gate.json").read_text())
+    assert rc == 0 and doc["ship"] and doc["exit_code"] == 0
+    assert set(doc["lanes"]) == {"tools", "citations", "codes", "refusals"}
+    for lane in doc["lanes"].values():
+        assert lane["verdict"]["ship"] and lane["gate"]["paired"]["lost"] == 0
+        assert lane["agreement"]["exact_match"] == 1.0  # greedy, the same model: the same tokens
+        assert lane["probes"]["top1_agreement"] == 1.0 and lane["probes"]["kl_max"] < 1e-6
+        assert lane["kv_capacity"]["baseline"]["max_tokens"] == lane["kv_capacity"]["candidate"]["max_tokens"]
+    assert (out / "gate.html").is_file() and (out / "baseline" / "report.html").is_file()
+    docs = load_runs([str(out / "baseline"), str(out / "candidate")])  # `twospeed compare` takes the two runs
+    assert [d["run"]["label"] for d in docs] == ["baseline", "candidate"]
+
+
+def test_a_slower_candidate_is_no_ship_for_latency(same_config_gate, tmp_path):
+    """Against the saved baseline: a candidate that prefills 16 tokens a step has far worse TTFT: exit code 1."""
+    _, base_out = same_config_gate
+    out = tmp_path / "slow"
+    rc = main(["gate", "--baseline", SERVE, "--candidate", f"{SERVE} --max-num-batched-tokens 16",
+               "--baseline-run", str(base_out / "baseline"), "--out", str(out), *RUN])
+    doc = json.loads((out / "gate.json").read_text())
+    assert rc == 1 and not doc["ship"]
+    reasons = [r for lane in doc["lanes"].values() for r in lane["verdict"]["reasons"]]
+    assert any(r.startswith("latency got worse: TTFT") for r in reasons)
+    assert not any(r.startswith("gate pass dropped") for r in reasons)  # the same model: the same answers
