@@ -129,6 +129,10 @@ def test_the_same_configuration_ships(same_config_gate):
         assert lane["probes"]["top1_agreement"] == 1.0 and lane["probes"]["kl_max"] < 1e-6
         assert lane["kv_capacity"]["baseline"]["max_tokens"] == lane["kv_capacity"]["candidate"]["max_tokens"]
     assert (out / "gate.html").is_file() and (out / "baseline" / "report.html").is_file()
+    run = json.loads((out / "baseline" / "results.json").read_text())
+    memory = run["server"]["memory"]  # the server's own formats, from /v1/models
+    assert memory["quantization"] is None and memory["kv_cache_dtype"] == "auto"
+    assert run["server"]["kv_memory"]["kv_bytes_per_token"] == memory["kv_bytes_per_token"]  # the bill uses them
     docs = load_runs([str(out / "baseline"), str(out / "candidate")])  # `twospeed compare` takes the two runs
     assert [d["run"]["label"] for d in docs] == ["baseline", "candidate"]
 
