@@ -8,8 +8,9 @@ against (tests/test_cpu_attention.py). Two libraries, compiled on first use (mod
   build. Prefill chunks there keep the portable batched SDPA.
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
 `load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
-model/kv_format.py) is read in place by csrc/paged_attention.c's *_i8 / *_f8 decodes; its prefill chunks and
-cache writes take the portable path.
+model/kv_format.py) is read in place by every kernel (attention_bf16.c takes the format as an argument,
+paged_attention.c has *_i8 / *_f8 decodes) and written by the fused RoPE + cache write as the portable
+path's encoder writes it.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def load_kernel() -> ctypes.CDLL | None:
 def load_bf16_kernel() -> ctypes.CDLL | None:
     """csrc/attention_bf16.c (AVX-512 BF16: decode, prefill, RoPE + cache write), or None where it cannot be built."""
     kernel = load_library("attention_bf16", {
-        "prefill_attention_bf16": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I],
-        "decode_attention_bf16": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I],
-        "rope_write_bf16": [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 5})
+        "prefill_attention_bf16": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I, _I],
+        "decode_attention_bf16": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I],
+        "rope_write_bf16": [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 6})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(2)]
@@ -82,7 +83,7 @@ class CpuPagedAttention(TorchPagedAttention):
                out: torch.Tensor) -> None:
         if q.device.type != "cpu" or k_cache.shape[1] > self.kernel.limits[2]:
             return super().decode(q, k_cache, v_cache, meta, out)
-        fn = self._decode_fn(q.dtype)
+        fn, fmt = self._decode_fn(q.dtype)
         q = q.contiguous()
         threads = torch.get_num_threads()
         for group in meta.decodes:
@@ -90,23 +91,22 @@ class CpuPagedAttention(TorchPagedAttention):
             tables, lens = group.block_tables, group.seq_lens
             fn(q[s].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                out[s].data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-               tables.shape[1], self.window, self.scale, threads)
+               tables.shape[1], self.window, self.scale, *fmt, threads)
 
-    def _decode_fn(self, dtype: torch.dtype):
-        """The decode kernel for this query dtype and cache format."""
-        if self.kv.quantized:
-            suffix = {1: "_i8", 2: "_f8"}[self.kv.code]
-            return getattr(self.kernel, f"paged_decode_{'bf16' if dtype == torch.bfloat16 else 'f32'}{suffix}")
-        if dtype == torch.bfloat16:
-            return self.bf16_kernel.decode_attention_bf16 if self.bf16_kernel else self.kernel.paged_decode_bf16
-        return self.kernel.paged_decode_f32
+    def _decode_fn(self, dtype: torch.dtype) -> tuple:
+        """The decode kernel for this query dtype and cache format, and the format argument it takes (attention_bf16.c's
+        takes the cache format; paged_attention.c has a function per format)."""
+        if dtype == torch.bfloat16 and self.bf16_kernel is not None:
+            return self.bf16_kernel.decode_attention_bf16, (self.kv.code,)
+        suffix = {0: "", 1: "_i8", 2: "_f8"}[self.kv.code]
+        return getattr(self.kernel, f"paged_decode_{'bf16' if dtype == torch.bfloat16 else 'f32'}{suffix}"), ()
 
     def fused_rope_ok(self, qkv: torch.Tensor) -> bool:
         """forward_fused applies: bf16 on CPU with both kernels (its prefill must not need the fresh k, v), and a
         decode-sized step: the kernel's RoPE is scalar, slower than torch's vector ops over a long prefill
         (1024 tokens: +18 ms) and faster where torch's per-op dispatch dominates (batch 1: -0.5 ms a step)."""
         return (qkv.shape[0] <= 64 and self.prefill_kernel is not None and qkv.dtype == torch.bfloat16
-                and qkv.device.type == "cpu" and qkv.stride(1) == 1 and not self.kv.quantized)
+                and qkv.device.type == "cpu" and qkv.stride(1) == 1)
 
     def forward_fused(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -118,7 +118,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.prefill_kernel.rope_write_bf16(
             qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), meta.slot_mapping.data_ptr(),
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, self.num_heads, self.num_kv_heads,
-            self.head_dim, torch.get_num_threads())
+            self.head_dim, self.kv.code, torch.get_num_threads())
         out = torch.empty_like(q)
         self.decode(q, k_cache, v_cache, meta, out)
         if meta.prefills:
@@ -128,8 +128,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
-        if (batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu"
-                or self.kv.quantized):
+        if batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
             return super().prefill(q, k, v, k_cache, v_cache, meta, out)
         q = q.contiguous()
         # K/V of these chunks are already in the cache (write_cache ran first): the kernel reads them there
@@ -137,7 +136,7 @@ class CpuPagedAttention(TorchPagedAttention):
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
             batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
             len(meta.prefills), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-            batch.block_tables.shape[1], self.window, self.scale, torch.get_num_threads())
+            batch.block_tables.shape[1], self.window, self.scale, self.kv.code, torch.get_num_threads())
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
