@@ -158,3 +158,22 @@ def test_a_candidate_that_cannot_start_exits_2(same_config_gate, tmp_path, capsy
     rc = main(["gate", "--candidate", f"{SERVE} --quantization int3", "--baseline-run", str(base_out / "baseline"),
                "--out", str(tmp_path / "bad"), *RUN])
     assert rc == 2 and "int8, fp8" in capsys.readouterr().err  # the server's own message about the flag
+
+
+def test_a_quantized_server_reports_its_formats():
+    """`twospeed serve --quantization int8 --kv-cache-dtype int8`: /v1/models and /metrics say so, in bytes that
+    agree with each other, and it answers."""
+    import httpx
+
+    from twospeed.lab.local_server import LocalServer
+
+    with LocalServer("demo", ["--quantization", "int8", "--kv-cache-dtype", "int8", "--kv-cache-memory-gb", "0.05"]) as s:
+        memory = httpx.get(s.url + "/models").json()["data"][0]["twospeed"]
+        metrics = httpx.get(s.url.removesuffix("/v1") + "/metrics").text
+        r = httpx.post(s.url + "/completions", json={"model": "demo", "prompt": "hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert memory["quantization"] == "int8" and memory["kv_cache_dtype"] == "int8"
+    assert memory["kv_bytes_per_token"] == 2 * 8 * 4 * (64 + 2)  # the demo: 8 layers, 4 KV heads, head_dim 64
+    assert memory["block_bytes"] == memory["block_size"] * memory["kv_bytes_per_token"]
+    assert f'twospeed_kv_cache_bytes_per_token{{model="demo"}} {float(memory["kv_bytes_per_token"])}' in metrics
+    assert 'twospeed_model_formats{kv_cache_dtype="int8",model="demo",quantization="int8"} 1.0' in metrics
