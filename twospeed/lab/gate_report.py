@@ -47,7 +47,8 @@ def lane_rows(lane: dict) -> list[tuple[str, str, str]]:
     for side in ("baseline", "candidate"):
         c = kv.get(side)
         cells.append("-" if not c else f"{c['max_tokens']:,} tokens ({c['kv_cache_dtype']}), "
-                                       f"{_num(c['max_sequences'], '{:,.0f}')} seqs of {c['lane_tokens_p50']:,.0f}")
+                                       f"{_num(c['max_sequences'], '{:,.0f}')} seqs of "
+                                       f"{_num(c['lane_tokens_p50'], '{:,.0f}')}")
     rows.append(("KV capacity", *cells))
     return rows
 
