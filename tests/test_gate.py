@@ -177,3 +177,25 @@ def test_a_quantized_server_reports_its_formats():
     assert memory["block_bytes"] == memory["block_size"] * memory["kv_bytes_per_token"]
     assert f'twospeed_kv_cache_bytes_per_token{{model="demo"}} {float(memory["kv_bytes_per_token"])}' in metrics
     assert 'twospeed_model_formats{kv_cache_dtype="int8",model="demo",quantization="int8"} 1.0' in metrics
+
+
+def test_the_report_renders_a_lane_with_nothing_answered(tmp_path):
+    from rich.console import Console
+
+    from twospeed.lab import gate_report
+
+    rate = {"passed": 0, "requests": 3, "rate": 0.0, "rate_ci": [0.0, 0.56]}
+    lane = {"verdict": {"ship": False, "reasons": ["3 requests failed on the candidate (0 on the baseline)"],
+                        "notes": []},
+            "gate": {"baseline": rate, "candidate": rate, "paired": gate_verdict.mcnemar_drop([False] * 3, [False] * 3)},
+            "latency_s": {label: {"baseline": None, "candidate": None} for label, *_ in gate_verdict.LATENCY},
+            "output_tokens_per_s": {"baseline": None, "candidate": None}, "agreement": None, "probes": None,
+            "kv_capacity": {"baseline": gate_verdict.kv_capacity({"num_blocks": 4, "block_size": 16,
+                                                                   "kv_cache_dtype": "auto"}, None), "candidate": None}}
+    doc = {"model": "demo", "workload": "regression", "seed": 0, "ship": False, "exit_code": 1,
+           "baseline": {"flags": ""}, "candidate": {"flags": "--quantization int8"}, "lanes": {"tools": lane}}
+    console = Console(record=True, width=160)
+    gate_report.print_gate(doc, console)
+    assert "tools: NO-SHIP: 3 requests failed" in console.export_text()
+    gate_report.write_html(doc, tmp_path, str(tmp_path / "baseline"))
+    assert "no-ship" in (tmp_path / "gate.html").read_text()
