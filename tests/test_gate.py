@@ -199,3 +199,36 @@ def test_the_report_renders_a_lane_with_nothing_answered(tmp_path):
     assert "tools: NO-SHIP: 3 requests failed" in console.export_text()
     gate_report.write_html(doc, tmp_path, str(tmp_path / "baseline"))
     assert "no-ship" in (tmp_path / "gate.html").read_text()
+
+
+def task_model_or_skip() -> str:
+    """The built-in task model (trained in code on the lanes' formats, cached); skip where this tree has none."""
+    from twospeed.engine.engine import resolve_model_path
+
+    try:
+        resolve_model_path("demo-task")
+    except (FileNotFoundError, ValueError) as e:
+        pytest.skip(f"no task model here: {e}")
+    return "demo-task"
+
+
+def test_on_the_task_model_int8_ships_and_a_destructive_candidate_is_no_ship(tmp_path):
+    """The gate's purpose: int8 weights keep the contracts (ship), a deliberately broken quantization does not
+    (no-ship, for the gate pass, not for latency)."""
+    model = task_model_or_skip()
+    run = ["--model", model, "--requests", "40", "--probes-per-lane", "2", "--latency-tolerance", "3.0"]
+    out = tmp_path / "int8"
+    rc = main(["gate", "--baseline", SERVE, "--candidate", f"{SERVE} --quantization int8", "--out", str(out), *run])
+    doc = json.loads((out / "gate.json").read_text())
+    reasons = {name: lane["verdict"]["reasons"] for name, lane in doc["lanes"].items()}
+    assert rc == 0 and doc["ship"], reasons
+    for lane in doc["lanes"].values():
+        assert lane["gate"]["baseline"]["rate"] >= 0.8  # a baseline that passes: the gate can see a regression
+    bad = tmp_path / "broken"
+    rc = main(["gate", "--candidate", f"{SERVE} --quantization test-random-scale", "--baseline-run",
+               str(out / "baseline"), "--out", str(bad), *run])
+    doc = json.loads((bad / "gate.json").read_text())
+    assert rc == 1 and not doc["ship"]
+    caught = [r for lane in doc["lanes"].values() for r in lane["verdict"]["reasons"]]
+    assert any(r.startswith("gate pass dropped beyond the noise") for r in caught), caught
+    assert doc["probes"]["kl_mean"] > 10 * json.loads((out / "gate.json").read_text())["probes"]["kl_mean"]
