@@ -16,6 +16,7 @@ Three parts:
    llama.cpp runs with --no-repack: its repacked AMX q8_0 path crashed on this machine (see part2).
 3. 32 concurrent long-context streams in one process, at the same KV memory budget: bf16 KV against int8 KV
    (tokens the pool holds, preemptions, output tok/s).
+4. ("rows") the int8 kernels' crossover: the register kernel against the AMX one per row count.
 Targets (the issue): int8 batch-1 decode >= 1.6x bf16 and >= llama.cpp q8_0; int8 KV >= 1.9x tokens in the
 same memory and >= 1.3x output tok/s at 32 long-context streams.
 """
@@ -156,7 +157,36 @@ def part3(cfg: Config) -> list[dict]:
     return rows
 
 
-def markdown(cfg: Config, p1: list[dict], p2: list[dict], p3: list[dict]) -> str:
+def crossover(cfg: Config) -> list[dict]:
+    """The int8 kernels' crossover: the register kernel against the AMX one per row count, single thread, min of 9
+    (the decision behind quant.Q8_KERNEL_MAX_ROWS)."""
+    import torch
+
+    from twospeed.model.quant import Int8Format, Q8Kernel
+
+    torch.set_num_threads(1)
+    rows = []
+    for n, k in ((2304, 768), (4096, 768), (768, 2048)):
+        q, scale = Int8Format(True).quantize(torch.randn(n, k))
+        kernel = Q8Kernel(q, scale, 0)
+        if not kernel.amx:
+            return []
+        for m in (1, 2, 4, 6, 8, 16, 32):
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            t = {}
+            for wide in (False, True):
+                best = float("inf")
+                for _ in range(9):
+                    t0 = time.perf_counter()
+                    kernel.forward(x, None, wide=wide)
+                    best = min(best, time.perf_counter() - t0)
+                t[wide] = best
+            rows.append({"shape": f"{k}x{n}", "rows": m, "register_ms": t[False] * 1e3, "amx_ms": t[True] * 1e3})
+    torch.set_num_threads(cfg.threads)
+    return rows
+
+
+def markdown(cfg: Config, p1: list[dict], p2: list[dict], p3: list[dict], cross: list[dict] | None = None) -> str:
     lines = [f"### Quantization on {Path(cfg.checkpoint).name} ({cfg.threads} threads)", "",
              f"Batch 1, {cfg.prompt_tokens}-token prompt, {cfg.output_tokens} tokens out, median of {cfg.rounds} "
              "round-robin rounds in one process:", "",
@@ -180,6 +210,13 @@ def markdown(cfg: Config, p1: list[dict], p2: list[dict], p3: list[dict]) -> str
                   "|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['cache']} | {r['pool_tokens']:,} | {r['kv_bytes_per_token']:,} | {r['most_running']} | "
                   f"{r['preemptions']} | {r['output_tok_s']:.1f} |" for r in p3]
+    if cross:
+        lines += ["", "int8 kernels, single thread, min of 9: AMX time / register-kernel time by rows:", "",
+                  "| shape | " + " | ".join(str(r["rows"]) for r in cross if r["shape"] == cross[0]["shape"]) + " |",
+                  "|---|" + "---:|" * sum(r["shape"] == cross[0]["shape"] for r in cross)]
+        for shape in dict.fromkeys(r["shape"] for r in cross):
+            lines.append(f"| {shape} | " + " | ".join(f"{r['amx_ms'] / r['register_ms']:.2f}" for r in cross
+                                                      if r["shape"] == shape) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,7 +228,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=Config.prompt_tokens, help="batch-1 prompt length")
     ap.add_argument("--output-tokens", type=int, default=Config.output_tokens, help="batch-1 answer length")
-    ap.add_argument("--parts", default="1,2,3", help="which parts to run, e.g. 1,3")
+    ap.add_argument("--parts", default="1,2,3,rows", help="which parts to run, e.g. 1,3 (rows: the int8 kernels' "
+                    "crossover)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: the demo model, tiny sizes, no HTTP part")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
@@ -200,7 +238,7 @@ def main() -> int:
     if args.quick:
         cfg = Config("demo", prompt_tokens=32, output_tokens=8, rounds=1, streams=4, stream_prompt=200,
                      stream_output=4, kv_gib=0.005)
-        parts = {"1", "3"}
+        parts = {"1", "3", "rows"}
     else:
         if not args.checkpoint:
             ap.error("--checkpoint is required (or --quick)")
@@ -210,7 +248,8 @@ def main() -> int:
     p1 = part1(cfg) if "1" in parts else []
     p2 = part2(cfg) if "2" in parts else []
     p3 = part3(cfg) if "3" in parts else []
-    text = markdown(cfg, p1, p2, p3)
+    cross = crossover(cfg) if "rows" in parts else []
+    text = markdown(cfg, p1, p2, p3, cross)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

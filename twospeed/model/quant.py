@@ -13,8 +13,8 @@ the bf16 kernel's). A decode step reads one byte a weight instead of two.
 Two implementations behind `Q8Linear.forward`, tested against each other and a float64 reference
 (tests/test_quant.py):
 - `Q8Kernel` (CPU, bf16 activations): csrc/linear_q8.c. Decode-sized steps widen the bytes in registers
-  (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a panel of weights to bf16
-  once per call in cache and run AMX tile dot products over every row (prefill chunks).
+  (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a
+  panel of weights to bf16 once per call in cache and run AMX tile dot products over every row (prefill).
 - the portable path (any device, any dtype): the same formula in float32 torch ops.
 
 Test-only formats (accepted by `quantization`, never listed to users): `test-int4-per-tensor` (4-bit values,
@@ -35,8 +35,9 @@ from twospeed.model.cbuild import load_library
 from twospeed.model.packed_linear import rows_2d
 from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat
 
-# Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. Chosen as the
-# bf16 path's measured crossover (model/packed_linear.py); benchmarks/bench_quant.py measures this one's.
+# Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. AMX time over
+# register-kernel time, single thread, min of 9, a shared Sapphire Rapids core (768x2304, 768x4096, 2048x768):
+# 4 rows 1.24-1.36, 6 rows 0.76-0.81, 16 rows 0.34-0.37 (`benchmarks/bench_quant.py --parts rows`).
 Q8_KERNEL_MAX_ROWS = 4
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURE = [_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I, _I]
