@@ -172,3 +172,18 @@ def greedy(tmp_path, arch: str, quantization: str, backends: tuple[str, ...]) ->
 def test_greedy_tokens_identical_between_the_kernel_and_the_portable_path(tmp_path, arch, quantization):
     kernel, portable = greedy(tmp_path, arch, quantization, ("cpu", "torch"))
     assert kernel == portable
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied, tied embeddings
+def test_the_planner_prices_weights_as_the_engine_holds_them(tmp_path, arch):
+    """plan/precision.py (torch-free) against the loaded model's own byte count in every format: the same bytes,
+    plus the embedding table where it is a tensor of its own (untied, or beside a quantized head)."""
+    from twospeed.plan.precision import weight_bytes
+
+    write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
+    for quantization in (None, "int8", "fp8"):
+        model = load_model(tmp_path, torch.bfloat16, quantization=quantization)
+        cfg = model.cfg
+        separate = quantization is not None or not cfg.tie_word_embeddings
+        embed = cfg.vocab_size * cfg.hidden_size * 2 if separate else 0
+        assert weight_bytes(cfg, "bfloat16", quantization) == model.weight_bytes() + embed, quantization
