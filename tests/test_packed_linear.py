@@ -61,7 +61,11 @@ def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
     lin, x = bf16_linear(shape, bias, rows, rows)
     packed = PackedLinear.from_linear(lin, "cpu")
     assert packed.backend == ("cpu" if shape[0] % 2 == 0 else "onednn")  # odd input width: no k pairs
-    kernel = packed._kernel if packed.backend == "cpu" else packed  # the C kernel itself, at every row count
+    if packed.backend == "cpu":  # the C kernel itself, at every row count
+        def kernel(x):
+            return packed.packed.kernel(x, packed.bias)
+    else:
+        kernel = packed
     y = kernel(x)
     assert y.shape == (rows, shape[1]) and y.dtype == torch.bfloat16
     assert within_one_rounding(y, x, lin)
@@ -79,11 +83,11 @@ def test_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
 def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     lin, _ = bf16_linear((64, 130), False, 1, 0)
     packed = PackedLinear.from_linear(lin, "cpu")
-    assert (packed.weight_wide is not None) == (has_amx() and can_use_onednn("cpu", torch.bfloat16))
-    if packed.weight_wide is None:
+    assert (packed.packed.wide is not None) == (has_amx() and can_use_onednn("cpu", torch.bfloat16))
+    if packed.packed.wide is None:
         pytest.skip("no AMX here: the kernel takes every row count")
     few, many = (torch.randn(n, 64, dtype=torch.bfloat16) for n in (AMX_KERNEL_MAX_ROWS, AMX_KERNEL_MAX_ROWS + 1))
-    assert torch.equal(packed(few), packed._kernel(few))
+    assert torch.equal(packed(few), packed.packed.kernel(few, None))
     onednn = PackedLinear.from_linear(lin, "onednn")
     assert torch.equal(packed(many), onednn(many))
 
@@ -114,7 +118,7 @@ def test_packed_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path, 
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     assert sum(isinstance(m, PackedLinear) and m.backend == backend for m in packed.modules()) == 4 * len(packed.layers) + 1
     assert packed.weight_bytes() == plain.weight_bytes()
-    assert load_model(tmp_path, torch.float32).logits_packed is None  # fp32 keeps the portable path
+    assert load_model(tmp_path, torch.float32).lm_head.backend == "torch"  # fp32 keeps the portable path
 
 
 def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
@@ -128,8 +132,8 @@ def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
     runs = []
     for backend in backends:
         llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
-                  max_num_batched_tokens=24)
-        assert (llm.engine.model.logits_packed is not None) == (backend != "torch")
+                  max_num_batched_tokens=24, num_gpu_blocks=64)
+        assert llm.engine.model.lm_head.backend == backend
         runs.append(llm.generate(prompts, params))
     return runs
 

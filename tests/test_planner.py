@@ -64,10 +64,11 @@ def test_roofline_step_times_by_hand():
 
     # int8 weights: one byte a linear weight plus a float32 scale per output row; the rest stays bf16
     rows = 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
-    assert weight_bytes(cfg, "bfloat16", "int8") == linear + 4 * rows + 2 * (params - linear)
+    head = 128256 * 4096  # the output head is quantized too (as the engine does); the embedding stays bf16
+    assert weight_bytes(cfg, "bfloat16", "int8") == linear + 4 * rows + head + 4 * 128256 + 2 * (params - linear - head)
     assert kv_bytes_per_token(cfg, "bfloat16", "int8") == 2 * 32 * 8 * (128 + 2)  # a bf16 scale per token and head
     w8 = RooflineCost(cfg, PROFILES["h100-sxm"], "bfloat16", "int8", "fp8", eff)
-    w8_bytes = linear + 4 * rows + 2 * (params - linear) + (per_token // 2) * 1002  # fp8 KV: one byte an element
+    w8_bytes = linear + 4 * rows + head + 4 * 128256 + 2 * (params - linear - head) + (per_token // 2) * 1002  # fp8 KV: one byte an element
     assert w8.predict(decode) == pytest.approx(0.002 + w8_bytes / (3.35e12 * 0.8))  # the same FLOPs, half the bytes
 
 

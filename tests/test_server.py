@@ -456,7 +456,9 @@ METRIC_NAMES = {  # the names README lists, and nothing else
     "twospeed_goodput_tokens_total": "counter", "twospeed_kv_cache_num_blocks": "gauge",
     "twospeed_kv_cache_block_bytes": "gauge", "twospeed_price_per_million_tokens": "gauge",
     "twospeed_step_time_seconds": "histogram", "twospeed_step_time_prediction_error": "histogram",
-    "twospeed_step_prefill_budget_tokens": "histogram", "twospeed_step_target_seconds": "gauge"}
+    "twospeed_step_prefill_budget_tokens": "histogram", "twospeed_step_target_seconds": "gauge",
+    "twospeed_kv_cache_block_size_tokens": "gauge", "twospeed_kv_cache_bytes_per_token": "gauge",
+    "twospeed_model_weight_bytes": "gauge", "twospeed_model_formats": "gauge"}
 
 
 def test_metric_names_types_and_labels(server):

@@ -268,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     diagnose = sub.add_parser("diagnose", help="which speed hurt each lane of a bench run, and which lever to pull")
     lab.add_diagnose_args(diagnose)
     diagnose.set_defaults(func=lab.run_diagnose_command)
+    gate = sub.add_parser("gate", help="serve a baseline and a candidate configuration, replay the same regression, "
+                                       "and say ship or no-ship per lane (exit code 1 on any no-ship)")
+    lab.add_gate_args(gate)
+    gate.set_defaults(func=lab.run_gate_command)
     lab_demo = sub.add_parser("lab-demo", help="serve the demo model with chunked prefill on, then off; compare")
     lab.add_lab_demo_args(lab_demo)
     lab_demo.set_defaults(func=lab.run_lab_demo_command)

@@ -93,12 +93,18 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # blocks in the pool; None = derive from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # GiB for the pool when num_gpu_blocks is None
     enable_prefix_caching: bool = True  # share full blocks between requests by hash chain
+    # How K and V are stored: "auto" (the model's dtype), "int8" (a bf16 scale per token and KV head) or "fp8"
+    # (e4m3); one byte an element holds about twice the tokens in the same kv_cache_memory_gb. model/kv_format.py
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        from twospeed.model.formats import kv_format
+
+        kv_format(self.kv_cache_dtype)  # a known name (torch-free check)
 
 
 @dataclass(slots=True)
@@ -166,7 +172,10 @@ class EngineConfig:
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
-    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernel, else oneDNN-packed), "cpu", "onednn", "torch"
+    # Weight-only quantization at load: None (the checkpoint's weights), "int8" or "fp8" (a float32 scale per output
+    # row; one byte a weight: half the bytes a bf16 decode step reads). model/quant.py
+    quantization: str | None = None
+    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernels, else oneDNN-packed), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
     # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
     # False starts from a roofline guess, which the engine's own steps then correct.
@@ -183,6 +192,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        from twospeed.model.formats import weight_format
+
+        weight_format(self.quantization)  # a known name (torch-free check)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":

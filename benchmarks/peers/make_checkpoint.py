@@ -8,6 +8,7 @@ Writes under benchmarks/peers/.work/models/:
   llama100m-fp32/, llama100m-bf16/   HF folders (config, safetensors, tokenizer.model + tokenizer.json,
                                       tokenizer_config.json with a chat template); the same random weights
   llama100m-f32.gguf, llama100m-bf16.gguf   llama.cpp's convert_hf_to_gguf.py of those folders
+  llama100m-q8_0.gguf                 the bf16 folder quantized to q8_0 by the same converter
 
 Why a trained tokenizer: all three engines must load the same checkpoint by name, and text in, text out.
 A 32000-piece SentencePiece BPE with byte fallback, trained here on a synthetic corpus, lets llama.cpp's
@@ -55,6 +56,9 @@ class CheckpointConfig:
     vocab_size: int = SHAPE["vocab_size"]
     corpus_lines: int = 120_000
     gguf_types: dict[str, str] = field(default_factory=lambda: {"fp32": "f32", "bf16": "bf16"})
+    # llama.cpp's quantized types, converted from one of the HF folders: q8_0 of the bf16 weights is what
+    # twospeed's int8 is measured against (benchmarks/bench_quant.py)
+    quantized_ggufs: dict[str, str] = field(default_factory=lambda: {"q8_0": "bf16"})
 
 
 # -- the corpus ------------------------------------------------------------------------------------
@@ -218,6 +222,11 @@ def build(cfg: CheckpointConfig, force: bool = False) -> dict[str, Path]:
     for label, gguf in ggufs.items():
         if force or not gguf.is_file():
             convert_gguf(paths[label], cfg.gguf_types[label], gguf)
+            print(f"GGUF written: {gguf}")
+    for outtype, source in cfg.quantized_ggufs.items():
+        gguf = ggufs[outtype] = cfg.out / f"{cfg.name}-{outtype}.gguf"
+        if force or not gguf.is_file():
+            convert_gguf(paths[source], outtype, gguf)  # convert_hf_to_gguf.py quantizes q8_0 itself
             print(f"GGUF written: {gguf}")
     return {**{f"hf-{k}": v for k, v in paths.items()}, **{f"gguf-{k}": v for k, v in ggufs.items()}}
 

@@ -92,6 +92,29 @@ def libiomp5(venv: Path) -> Path | None:
     return hits[0] if hits else None
 
 
+def twospeed_command(folder: Path, name: str, port: int, settings: Settings = SETTINGS,
+                     extra: list[str] | None = None) -> list[str]:
+    """`twospeed serve` on `folder` with the shared settings (extra: flags such as --quantization int8)."""
+    s = settings
+    return [str(ROOT / ".venv/bin/twospeed"), "serve", "--model", str(folder), "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(s.max_num_seqs),
+            "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_gib),
+            "--max-waiting", "1024", "--log-level", "warning", *s.twospeed_args, *(extra or [])]
+
+
+def llama_command(binary: Path, gguf: Path, name: str, port: int, settings: Settings = SETTINGS) -> list[str]:
+    """llama-server on `gguf` with the shared settings."""
+    s = settings
+    slots = s.max_num_seqs
+    return [str(binary), "-m", str(gguf), "--alias", name,
+            "--host", "127.0.0.1", "--port", str(port), "-t", str(s.threads), "-tb", str(s.threads),
+            "-np", str(slots), "-c", str(slots * s.max_model_len // 2), "--kv-unified", "--jinja",
+            # 512-token steps (its default logical batch is 2048), as twospeed's budget: decodes wait for at
+            # most one 512-token prefill chunk instead of four
+            "-b", "512", "-ub", "512",
+            "--no-webui", "--seed", "0", *s.llama_args]
+
+
 def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTINGS) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start `engine` serving the `dtype` checkpoint."""
     if dtype not in DTYPES:
@@ -101,10 +124,7 @@ def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTING
     env = {} if engine == "vllm" else {"OMP_NUM_THREADS": str(s.threads)}  # vLLM binds its own OMP threads
     if engine == "twospeed":
         folder = model_dir(dtype)
-        cmd = [str(ROOT / ".venv/bin/twospeed"), "serve", "--model", str(folder), "--served-model-name", name,
-               "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(s.max_num_seqs),
-               "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_gib),
-               "--max-waiting", "1024", "--log-level", "warning", *s.twospeed_args]
+        cmd = twospeed_command(folder, name, port, s)
     elif engine == "vllm":
         venv = WORK / "venv-vllm"
         folder = model_dir(dtype)
@@ -120,16 +140,8 @@ def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTING
         if (lib := libiomp5(venv)) is not None:
             env["LD_PRELOAD"] = str(lib)
     elif engine == "llama":
-        gguf = gguf_path(dtype)
-        folder = gguf
-        slots = s.max_num_seqs
-        cmd = [str(WORK / "llama-build/bin/llama-server"), "-m", str(gguf), "--alias", name,
-               "--host", "127.0.0.1", "--port", str(port), "-t", str(s.threads), "-tb", str(s.threads),
-               "-np", str(slots), "-c", str(slots * s.max_model_len // 2), "--kv-unified", "--jinja",
-               # 512-token steps (its default logical batch is 2048), as twospeed's budget: decodes wait for at
-               # most one 512-token prefill chunk instead of four
-               "-b", "512", "-ub", "512",
-               "--no-webui", "--seed", "0", *s.llama_args]
+        folder = gguf_path(dtype)
+        cmd = llama_command(WORK / "llama-build/bin/llama-server", folder, name, port, s)
     else:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not Path(cmd[0]).exists():
@@ -187,9 +199,18 @@ def serve(engine: str, dtype: str, settings: Settings = SETTINGS, port: int | No
     """Start `engine` on loopback, wait until it is ready, yield it, always stop it."""
     port = port or free_port()
     cmd, extra_env = command_for(engine, dtype, port, settings)
-    log = WORK / "logs" / f"{engine}-{dtype}.log"
+    with launch(engine, dtype, cmd, extra_env, port, f"llama100m-{dtype}", settings) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def launch(engine: str, label: str, cmd: list[str], extra_env: dict[str, str], port: int, model: str,
+           settings: Settings = SETTINGS) -> Iterator[Server]:
+    """Run `cmd` (a server listening on `port`, answering to `model`) in its own process group, logged to
+    .work/logs/<engine>-<label>.log; wait until it is ready, yield it, always stop it."""
+    log = WORK / "logs" / f"{engine}-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = Server(engine, dtype, f"http://127.0.0.1:{port}", f"llama100m-{dtype}", cmd, extra_env, log)
+    server = Server(engine, label, f"http://127.0.0.1:{port}", model, cmd, extra_env, log)
     with open(log, "w") as f:
         f.write(f"# {' '.join(f'{k}={v}' for k, v in extra_env.items())} {' '.join(cmd)}\n")
         f.flush()

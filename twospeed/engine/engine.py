@@ -35,7 +35,7 @@ from twospeed.engine.cost_probe import probe, roofline_prior
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
-from twospeed.engine.runner import ModelRunner, num_blocks_for
+from twospeed.engine.runner import ModelRunner, kv_bytes_per_token, num_blocks_for
 from twospeed.engine.sampler import Sampler
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
@@ -64,6 +64,20 @@ class StepStats:
     prefill_budget: int = 0  # prompt tokens the step allowed (scheduler.SchedulerOutput.prefill_budget)
     time_bound: bool = False  # the target, not the token budget, set the prompt share
     num_threads: int = 1  # CPU threads the step ran with (engine/threads.py)
+
+
+@dataclass(slots=True)
+class EngineMemory:
+    """What the engine's memory holds, in its formats (the server reports it; the lab bills KV memory by it)."""
+
+    quantization: str | None  # the weight format (None: the checkpoint's dtype)
+    weight_bytes: int  # bytes a decode step reads for the weights (model/formats.py)
+    kv_cache_dtype: str  # "auto" (the model's dtype), "int8", "fp8"
+    kv_bytes_per_token: int  # K and V of one token, every layer, scales included
+    block_size: int  # tokens per KV block
+    block_bytes: int  # bytes of one KV block (block_size * kv_bytes_per_token)
+    num_blocks: int  # blocks in the pool
+    max_tokens: int  # tokens the pool holds (num_blocks * block_size)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -108,7 +122,8 @@ class LLMEngine:
         self.limits = ModelLimits(self.model_config.vocab_size, max_len, self._len_limit)
 
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
-                                linear_backend=config.linear_backend, attention_backend=config.attention_backend)
+                                linear_backend=config.linear_backend, attention_backend=config.attention_backend,
+                                quantization=config.quantization, kv_cache_dtype=cache.kv_cache_dtype)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
@@ -127,6 +142,13 @@ class LLMEngine:
         self.last_stats: StepStats | None = None
         self.num_step_failures = 0  # steps that raised and were isolated to the request(s) that caused it
         self._counter = 0
+
+    def memory(self) -> EngineMemory:
+        cache = self.config.cache
+        per_token = kv_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
+        return EngineMemory(self.config.quantization, self.model.weight_bytes(), cache.kv_cache_dtype, per_token,
+                            cache.block_size, per_token * cache.block_size, self.num_blocks,
+                            self.num_blocks * cache.block_size)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, *,

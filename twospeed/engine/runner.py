@@ -1,7 +1,7 @@
 """Pack a step's chunks into one flat batch, run the model, return the logits that sample.
 
 The runner owns the KV cache tensors: [num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]. The batch puts single-token chunks first (the batched
+num_kv_heads, row] in the cache's format (row = head_dim; int8 adds its scale: model/kv_format.py). The batch puts single-token chunks first (the batched
 decode path of the attention) and multi-token chunks after (per-request
 prefill spans), so one forward pass serves any mix of prefill and decode.
 Only the rows that sample go through the vocabulary matmul.
@@ -14,6 +14,7 @@ import torch
 from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.scheduler import ScheduledChunk
+from twospeed.model import formats
 from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from twospeed.model.llama import LlamaForCausalLM
 
@@ -25,16 +26,21 @@ GiB = 1 << 30
 SHORT_CHUNK = 2
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token, every layer, in the cache's format (scales included; model/formats.py)."""
+    return formats.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, dtype.itemsize)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    return block_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
 
 
 def num_blocks_for(cfg: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    """Pool size: num_gpu_blocks if given, else as many blocks as kv_cache_memory_gb holds."""
+    """Pool size: num_gpu_blocks if given, else as many blocks as kv_cache_memory_gb holds in the cache's format."""
     if cache.num_gpu_blocks is not None:
         return cache.num_gpu_blocks
-    return max(1, int(cache.kv_cache_memory_gb * GiB) // kv_bytes_per_block(cfg, cache.block_size, dtype))
+    block = kv_bytes_per_block(cfg, cache.block_size, dtype, cache.kv_cache_dtype)
+    return max(1, int(cache.kv_cache_memory_gb * GiB) // block)
 
 
 class ModelRunner:
@@ -43,9 +49,9 @@ class ModelRunner:
         cfg = model.cfg
         self.model, self.block_size, self.device = model, block_size, device
         self.sliding_window = cfg.sliding_window
-        # Zeroed, not empty: padded decode slots are read (then masked), and 0 * NaN garbage would poison the sum.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=dtype, device=device)
+        # In the format the model's attention reads (model/kv_format.py), zeroed: padded decode slots are read
+        self.kv_cache = model.kv_format.allocate((cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads),
+                                                 cfg.head_dim, dtype, device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     @torch.inference_mode()

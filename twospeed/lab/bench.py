@@ -125,6 +125,7 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
             raise ConnectionError(f"cannot reach {cfg.url}: {e}") from None
         if r.status_code in (401, 403):
             raise ConnectionError(f"{cfg.url}: HTTP {r.status_code} (an --api-key is needed)")
+        memory = server_memory(r)
         before = await scrape.scrape(client, cfg.url)
         responses: list[Response] = []
         jobs: list[JobRun] = []
@@ -179,7 +180,17 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
         await sampler
         after = await scrape.scrape(client, cfg.url)
     return {"responses": responses, "jobs": jobs, "wall": wall, "before": before, "after": after,
-            "timeline": timeline}
+            "timeline": timeline, "memory": memory}
+
+
+def server_memory(models: httpx.Response) -> dict | None:
+    """twospeed's /v1/models metadata (weight and KV formats, block size, KV bytes per token); None elsewhere."""
+    try:
+        data = models.json().get("data") or [{}]
+        memory = data[0].get("twospeed")
+        return memory if isinstance(memory, dict) else None
+    except (ValueError, AttributeError, IndexError):
+        return None
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
@@ -243,13 +254,14 @@ def _prefix_check(responses: list[Response], lane, counter: TokenCounter, block_
 
 
 def _lane_summary(cfg: BenchConfig, workload: Workload, lane, records: list[dict], jobs: list[dict],
-                  responses: list[Response], planner_policy: dict, counter: TokenCounter, wall: float) -> dict:
+                  responses: list[Response], planner_policy: dict, counter: TokenCounter, wall: float,
+                  block_size: int) -> dict:
     summary = results.lane_summary(records, lane.slo, workload.price, cfg.seed, wall)
     if jobs:
         window = lane.job.window_s if lane.job else None
         summary["jobs"] = job_results.jobs_summary(jobs, window, wall, cfg.seed)
     summary["policy"] = planner_policy
-    summary["prefix"] = _prefix_check(responses, lane, counter, cfg.kv_block_size)
+    summary["prefix"] = _prefix_check(responses, lane, counter, block_size)
     summary["prefix_tokens"] = round(lane.prefix_tokens * cfg.scale)
     return summary
 
@@ -262,9 +274,13 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
                                           _window(workload, run.planned.lane), workload.price)
                    for run in raw.get("jobs", [])), key=lambda j: j["index"])
     by_lane = {lane.name: [r for r in raw["responses"] if r.planned.lane == lane.name] for lane in workload.lanes}
+    memory = raw.get("memory") or {}
+    # the server's own block size and KV bytes per token (its cache format) where it says them
+    block_size = memory.get("block_size") or cfg.kv_block_size
+    per_token = memory.get("kv_bytes_per_token") or billing.kv_bytes_per_token(model_config)
     lanes = {lane.name: _lane_summary(cfg, workload, lane, [r for r in records if r["lane"] == lane.name],
                                       [j for j in jobs if j["lane"] == lane.name], by_lane[lane.name],
-                                      planner.policy(lane) if planner else None, counter, raw["wall"])
+                                      planner.policy(lane) if planner else None, counter, raw["wall"], block_size)
              for lane in workload.lanes if any(r["lane"] == lane.name for r in records)}
     lags = [r["lag_s"] for r in records if r["lag_s"] is not None]
     sources = {r["token_source"] for r in records if r["token_source"]}
@@ -288,8 +304,8 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
         "total": results.lane_summary(records, None, workload.price, cfg.seed, raw["wall"]),
         "client": client_lag(lags, cfg.late_threshold),
         "server": {"metrics_delta": scrape.delta(raw["before"], after),
-                   "kv_memory": billing.kv_memory(cached_blocks, cfg.kv_block_size,
-                                                  billing.kv_bytes_per_token(model_config)),
+                   "kv_memory": billing.kv_memory(cached_blocks, block_size, per_token),
+                   "memory": raw.get("memory"),
                    "timeline": raw["timeline"]},
         "requests": records,
         "jobs": jobs,

@@ -1,5 +1,5 @@
-"""The lab's subcommands (`twospeed bench`, `twospeed compare`, `twospeed diagnose`, `twospeed lab-demo`): flags
-and entry points, kept here so twospeed/cli.py only registers them."""
+"""The lab's subcommands (`twospeed bench`, `twospeed compare`, `twospeed diagnose`, `twospeed gate`,
+`twospeed lab-demo`): flags and entry points, kept here so twospeed/cli.py only registers them."""
 
 from __future__ import annotations
 
@@ -136,3 +136,44 @@ def run_lab_demo_command(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, ConnectionError, OSError) as e:
         print(f"twospeed lab-demo: {e}", file=sys.stderr)
         return 2
+
+
+def add_gate_args(p: argparse.ArgumentParser) -> None:
+    from twospeed.lab.gate import GateConfig
+
+    d = GateConfig("", "")
+    p.add_argument("--baseline", default="", help='`twospeed serve` flags of the baseline, quoted (default: none)')
+    p.add_argument("--candidate", required=True, help='flags of the candidate, e.g. "--quantization int8"')
+    p.add_argument("--model", default=d.model, help="checkpoint folder or a built-in model, served by both")
+    p.add_argument("--workload", default=d.workload, help="regression (built-in) or a workload YAML")
+    p.add_argument("--seed", type=int, default=d.seed, help="fixes prompts and arrival times for both runs")
+    p.add_argument("--out", default=d.out, help="folder for baseline/, candidate/, gate.json, gate.html")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests per run")
+    p.add_argument("--rate", type=float, help="total requests/s (default: the workload's lanes' own rates)")
+    p.add_argument("--scale", type=float, default=d.scale, help="multiply prompt lengths")
+    p.add_argument("--max-prompt-tokens", type=int, help="cap every prompt at this many tokens")
+    p.add_argument("--probes-per-lane", type=int, default=d.probes_per_lane,
+                   help="answered requests per lane probed for next-token distributions (3 positions each)")
+    p.add_argument("--alpha", type=float, default=d.alpha, help="significance of a gate-pass drop (paired, one-sided)")
+    p.add_argument("--latency-tolerance", type=float, default=d.latency_tolerance,
+                   help="relative latency loss allowed beyond the noise (0.10 = 10%%)")
+    p.add_argument("--baseline-run", help="reuse a saved baseline run folder (OUT/baseline of an earlier gate)")
+
+
+def run_gate_command(args: argparse.Namespace) -> int:
+    """0: every lane ships; 1: some lane is no-ship; 2: the gate could not run."""
+    from twospeed.lab.gate import GateConfig, run_gate
+    from twospeed.lab.gate_report import print_gate
+
+    names = {f.name for f in dataclasses.fields(GateConfig)} - {"baseline_flags", "candidate_flags"}
+    console = _console()
+    try:
+        cfg = GateConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+        doc = run_gate(cfg, console)
+    except (ValueError, RuntimeError, ConnectionError, OSError) as e:
+        print(f"twospeed gate: {e}", file=sys.stderr)
+        return 2
+    print_gate(doc, console)
+    console.print(f"wrote {cfg.out}/gate.json, gate.html; the runs: twospeed compare {cfg.out}/baseline "
+                  f"{cfg.out}/candidate", highlight=False)
+    return doc["exit_code"]

@@ -120,7 +120,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "server_slo_met": slo.get("met"), "finish_reason": resp.finish_reason,
         "gate_passed": gate.passed, "gate_reason": gate.reason, "slo_met": not missed, "slo_missed": ",".join(missed),
         "good": good, "itl_s": list(t.itl) if t else [], "chunk_gaps_s": list(t.chunk_gaps) if t else [],
-        "text_head": resp.text[:200],
+        "text_head": resp.text[:200], "text": resp.text,
     }
 
 

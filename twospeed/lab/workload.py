@@ -23,7 +23,7 @@ import yaml
 if TYPE_CHECKING:
     from twospeed.lab.job_spec import JobSpec
 
-BUILTIN = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs")
+BUILTIN = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs", "regression")
 PROMPT_KINDS = ("agent", "rag", "chat", "nightly", "trace", "job")
 # Harness policies: how the client builds prompts, not what the traffic is. Runs that differ only in these
 # stay comparable (the workload digest leaves them out): a stable vs an unstable system block, dumps

@@ -6,7 +6,8 @@ continuing an earlier chunk or a prefix-cache hit). The runner builds one
 `AttentionMetadata` per step; every layer reuses it.
 
 The KV cache of one layer is a pair of tensors [num_blocks, block_size,
-num_kv_heads, head_dim]; a request's tokens live in the blocks its block table
+num_kv_heads, row] (row = head_dim, or head_dim + 2 for int8 with its scale:
+model/kv_format.py); a request's tokens live in the blocks its block table
 names, so position p is at slot block_table[p // block_size] * block_size +
 p % block_size.
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from twospeed.model.kv_format import KVFormat
 
 
 @dataclass(slots=True)
@@ -100,9 +103,10 @@ def decode_mask(seq_lens: list[int] | torch.Tensor, width: int, sliding_window: 
 class TorchPagedAttention:
     """Portable paged attention: gather the blocks, then scaled_dot_product_attention."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kv: KVFormat | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gqa = num_heads != num_kv_heads
+        self.kv = kv or KVFormat()  # how K and V are stored in the cache (model/kv_format.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -115,8 +119,8 @@ class TorchPagedAttention:
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> None:
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        self.kv.write(k_cache, meta.slot_mapping, k)
+        self.kv.write(v_cache, meta.slot_mapping, v)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor) -> None:
@@ -129,8 +133,9 @@ class TorchPagedAttention:
             # [n * max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]. index_select copies whole blocks (memcpy rows);
             # advanced indexing (k_cache[tables]) took 3-10x longer for the same bytes.
             ids = group.block_tables.view(-1)
-            kd = k_cache.index_select(0, ids).view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vd = v_cache.index_select(0, ids).view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kd = self.kv.decode(self.kv.gather(k_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
+            vd = self.kv.decode(self.kv.gather(v_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
             # The G query heads of one KV head become its "query length": [n, KVH, G, hd]. One dense SDPA
             # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
             qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
@@ -143,11 +148,11 @@ class TorchPagedAttention:
             s, e = span.start, span.start + span.num_tokens
             if span.mask is None:  # once per step (stays None for a plain causal chunk from position 0)
                 span.mask = causal_mask(span.num_tokens, span.context_len, meta.sliding_window, q.device)
-            if span.context_len == span.num_tokens:
+            if span.context_len == span.num_tokens and not self.kv.quantized:
                 kp, vp = k[s:e], v[s:e]  # nothing before this chunk: use the fresh K/V directly
-            else:
-                kp = k_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len]
-                vp = v_cache.index_select(0, span.block_table).flatten(0, 1)[: span.context_len]
+            else:  # from the cache (a quantized one always: every path attends to the values it keeps)
+                kp = self.kv.decode(self.kv.gather(k_cache, span.block_table).flatten(0, 1)[: span.context_len], q.dtype)
+                vp = self.kv.decode(self.kv.gather(v_cache, span.block_table).flatten(0, 1)[: span.context_len], q.dtype)
             # 4-D inputs: SDPA's fused CPU kernel only takes batched tensors (3-D falls back to the slow math path)
             op = F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1)[None], kp.transpose(0, 1)[None], vp.transpose(0, 1)[None],

@@ -7,7 +7,10 @@ against (tests/test_cpu_attention.py). Two libraries, compiled on first use (mod
 - csrc/paged_attention.c (any x86/ARM compiler target): decodes in fp32, and in bf16 where the first does not
   build. Prefill chunks there keep the portable batched SDPA.
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
-`load_kernel()` returns None and the engine uses the portable path.
+`load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
+model/kv_format.py) is read in place by every kernel (attention_bf16.c takes the format as an argument,
+paged_attention.c has *_i8 / *_f8 decodes) and written by the fused RoPE + cache write as the portable
+path's encoder writes it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
 from twospeed.model.cbuild import load_library
+from twospeed.model.kv_format import KVFormat
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -28,7 +32,8 @@ _I = ctypes.c_int
 def load_kernel() -> ctypes.CDLL | None:
     """csrc/paged_attention.c (built once per source, compiler and CPU; model/cbuild.py), or None."""
     decode = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
-    kernel = load_library("paged_attention", {"paged_decode_bf16": decode, "paged_decode_f32": decode})
+    kernel = load_library("paged_attention", {f"paged_decode_{t}{kv}": decode for t in ("bf16", "f32")
+                                              for kv in ("", "_i8", "_f8")})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(3)]
@@ -41,9 +46,9 @@ def load_kernel() -> ctypes.CDLL | None:
 def load_bf16_kernel() -> ctypes.CDLL | None:
     """csrc/attention_bf16.c (AVX-512 BF16: decode, prefill, RoPE + cache write), or None where it cannot be built."""
     kernel = load_library("attention_bf16", {
-        "prefill_attention_bf16": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I],
-        "decode_attention_bf16": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I],
-        "rope_write_bf16": [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 5})
+        "prefill_attention_bf16": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I, _I],
+        "decode_attention_bf16": [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I, _I],
+        "rope_write_bf16": [_P, ctypes.c_int64, _P, _P, _P, _P, _P, _P] + [_I] * 6})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(2)]
@@ -63,8 +68,9 @@ def kernel_supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 class CpuPagedAttention(TorchPagedAttention):
     """Decodes through the in-place C kernels; bf16 prefill chunks too where the AVX-512 BF16 kernel builds."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 kv: KVFormat | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, kv)
         self.kernel = load_kernel()
         self.window = sliding_window or 0
         self.scale = head_dim ** -0.5
@@ -77,10 +83,7 @@ class CpuPagedAttention(TorchPagedAttention):
                out: torch.Tensor) -> None:
         if q.device.type != "cpu" or k_cache.shape[1] > self.kernel.limits[2]:
             return super().decode(q, k_cache, v_cache, meta, out)
-        if q.dtype == torch.bfloat16:
-            fn = self.bf16_kernel.decode_attention_bf16 if self.bf16_kernel else self.kernel.paged_decode_bf16
-        else:
-            fn = self.kernel.paged_decode_f32
+        fn, fmt = self._decode_fn(q.dtype)
         q = q.contiguous()
         threads = torch.get_num_threads()
         for group in meta.decodes:
@@ -88,7 +91,15 @@ class CpuPagedAttention(TorchPagedAttention):
             tables, lens = group.block_tables, group.seq_lens
             fn(q[s].data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                out[s].data_ptr(), n, self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-               tables.shape[1], self.window, self.scale, threads)
+               tables.shape[1], self.window, self.scale, *fmt, threads)
+
+    def _decode_fn(self, dtype: torch.dtype) -> tuple:
+        """The decode kernel for this query dtype and cache format, and the format argument it takes (attention_bf16.c's
+        takes the cache format; paged_attention.c has a function per format)."""
+        if dtype == torch.bfloat16 and self.bf16_kernel is not None:
+            return self.bf16_kernel.decode_attention_bf16, (self.kv.code,)
+        suffix = {0: "", 1: "_i8", 2: "_f8"}[self.kv.code]
+        return getattr(self.kernel, f"paged_decode_{'bf16' if dtype == torch.bfloat16 else 'f32'}{suffix}"), ()
 
     def fused_rope_ok(self, qkv: torch.Tensor) -> bool:
         """forward_fused applies: bf16 on CPU with both kernels (its prefill must not need the fresh k, v), and a
@@ -107,7 +118,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.prefill_kernel.rope_write_bf16(
             qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(), meta.slot_mapping.data_ptr(),
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), t, self.num_heads, self.num_kv_heads,
-            self.head_dim, torch.get_num_threads())
+            self.head_dim, self.kv.code, torch.get_num_threads())
         out = torch.empty_like(q)
         self.decode(q, k_cache, v_cache, meta, out)
         if meta.prefills:
@@ -125,13 +136,13 @@ class CpuPagedAttention(TorchPagedAttention):
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
             batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
             len(meta.prefills), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-            batch.block_tables.shape[1], self.window, self.scale, torch.get_num_threads())
+            batch.block_tables.shape[1], self.window, self.scale, self.kv.code, torch.get_num_threads())
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,
-                   device: torch.device | str, dtype: torch.dtype) -> TorchPagedAttention:
+                   device: torch.device | str, dtype: torch.dtype, kv: KVFormat | None = None) -> TorchPagedAttention:
     """backend "auto": the C kernel on CPU where it builds and fits the shapes, else portable; "torch": portable;
-    "cpu": the kernel or an error."""
+    "cpu": the kernel or an error. kv: how the cache stores K and V (model/kv_format.py; default the model's dtype)."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     fits = torch.device(device).type == "cpu" and kernel_supports(num_heads, num_kv_heads, head_dim, 1, dtype)
@@ -139,5 +150,5 @@ def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: in
         raise ValueError("attention_backend 'cpu' needs a CPU device, a C compiler, bf16 or fp32, "
                          "at most 16 query heads per KV head and head_dim <= 256")
     if backend != "torch" and fits:
-        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, sliding_window)
-    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, sliding_window, kv)
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim, kv)

@@ -25,7 +25,8 @@ from twospeed.config import ModelConfig
 from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cpu_attention import make_attention
 from twospeed.model.fused_ops import rms_norm, silu_mul
-from twospeed.model.packed_linear import PackedLinear, prepack_linears
+from twospeed.model.kv_format import KVFormat
+from twospeed.model.weight_format import FormatLinear, WeightFormat
 
 
 class RMSNorm(nn.Module):
@@ -90,17 +91,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto", kv: KVFormat | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = fmt.linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
+                                   [self.q_size, self.kv_size, self.kv_size])
+        self.o_proj = fmt.linear(self.q_size, cfg.hidden_size, cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # built under load_model's default device and dtype, which pick the backend
         self.attn = make_attention(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype())
+                                   cfg.sliding_window, torch.get_default_device(), torch.get_default_dtype(), kv)
         # one C pass for RoPE + cache write where the backend has it (Qwen3's q/k norms come first: not fused)
         self.fused_rope = hasattr(self.attn, "forward_fused") and self.q_norm is None
 
@@ -125,10 +127,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = fmt.linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                       [cfg.intermediate_size] * 2)
+        self.down_proj = fmt.linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.use_kernel = True  # fused SiLU-and-multiply where it applies (model/fused_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,12 +139,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat, attention_backend: str = "auto", kv: KVFormat | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, attention_backend)
+        self.self_attn = Attention(cfg, fmt, attention_backend, kv)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, fmt)
 
     def forward(self, x, residual, rope, kv_cache, meta):
         """x: the last layer's MLP output (the embeddings at layer 0, with residual None); returns this
@@ -159,23 +162,25 @@ class LlamaForCausalLM(nn.Module):
     STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, attention_backend: str = "auto",
+                 weight_format: WeightFormat | None = None, kv_format: KVFormat | None = None):
         super().__init__()
-        self.cfg = cfg
+        from twospeed.model.packed_linear import DenseFormat, PlainWeight
+
+        fmt = weight_format or DenseFormat(PlainWeight)
+        self.cfg, self.weight_format, self.kv_format = cfg, fmt, kv_format or KVFormat()
         dtype = torch.get_default_dtype()
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fmt, attention_backend, self.kv_format)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_packed: PackedLinear | None = None  # set by prepack()
-
-    def shard_sizes(self, fused: str) -> list[int]:
-        """Output rows of each HF tensor packed into a fused parameter, in shard order."""
-        c = self.cfg
-        if fused == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+        # The logits matmul is a linear of the model's format. Tied to the embedding, it either reads the table
+        # itself (plain weights) or holds its own copy in its format (packed or quantized), loaded from the table.
+        self.lm_head = fmt.linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.head_shares_embedding = cfg.tie_word_embeddings and fmt.shares_tied_embedding
+        if self.head_shares_embedding:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -188,31 +193,36 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]; only rows that sample pay for the vocab matmul."""
-        if self.logits_packed is not None:
-            return self.logits_packed.forward(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head.forward(hidden).float()
 
-    def prepack(self, backend: str) -> None:
-        """Switch every linear, and the logits matmul, to bf16 weights packed for `backend` ("cpu" or "onednn",
-        model/packed_linear.py), after loading weights. A tied lm_head keeps the embedding table for lookups
-        and gets a packed copy for the logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_packed = PackedLinear(weight, None, backend)
-        self.lm_head = None  # untied: the packed copy replaces it (and frees the plain weight)
-        prepack_linears(self.layers, backend)
+    def checkpoint_targets(self, name: str) -> list[tuple[str, int | None]]:
+        """HF tensor name -> the (our parameter name, shard index or None) it loads into; none for a tensor this
+        model does not keep (a tied checkpoint's stored lm_head copy)."""
+        if name == "lm_head.weight":
+            return [] if self.cfg.tie_word_embeddings else [(name, None)]
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings and not self.head_shares_embedding:
+            return [(name, None), ("lm_head.weight", None)]  # the head's own copy, in its format
+        for part, (fused, shard) in self.STACKED_PARAMS.items():
+            if f".{part}." in name:
+                return [(name.replace(part, fused), shard)]
+        return [(name, None)]
+
+    def finish_loading(self) -> None:
+        """After the last tensor: every linear packs itself for its kernel (model/weight_format.py)."""
+        for m in self.modules():
+            if isinstance(m, FormatLinear):
+                m.finish_loading()
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every linear's weights (plain or packed, padding not counted), biases,
-        the logits matrix and the norms; the embedding is a lookup."""
-        total = sum(m.out_features * m.in_features * m.weight_packed.element_size()
-                    for m in self.modules() if isinstance(m, PackedLinear))
-        seen = set()
-        for name, p in self.named_parameters(remove_duplicate=False):
-            # the embedding is a lookup; the logits matmul reads it only when tied and not packed
-            tied_unpacked = self.lm_head is None and self.logits_packed is None
-            if p.data_ptr() in seen or ("embed_tokens" in name and not tied_unpacked):
-                continue
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+        """Bytes a decode step reads: every linear in its format (weights, scales, biases; padding not counted),
+        the logits matrix among them, and the norms; the embedding is a lookup."""
+        total, seen = 0, set()
+        for m in self.modules():
+            if isinstance(m, FormatLinear):
+                total += m.nbytes
+                seen |= {id(p) for p in m.parameters()}
+        for name, p in self.named_parameters():
+            if id(p) not in seen and not name.startswith("embed_tokens."):
+                total += p.numel() * p.element_size()
         return total

@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint folder into `LlamaForCausalLM`.
 
 Reads config.json, then model.safetensors or the shards named by
-model.safetensors.index.json, memory-mapped. Every failure names the file and
-the tensor: an unsupported architecture, a missing file, a missing, unexpected
-or misshapen tensor.
+model.safetensors.index.json, memory-mapped. The loader only maps names: each
+parameter loads its own tensor (`weight_loader`), so a weight format (int8, fp8)
+quantizes on arrival. Every failure names the file and the tensor: an
+unsupported architecture, a missing file, a missing, unexpected or misshapen tensor.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 from safetensors import safe_open
 
 from twospeed.config import DTYPES, ModelConfig
+from twospeed.model.kv_format import make_kv_format
 from twospeed.model.llama import LlamaForCausalLM
-from twospeed.model.packed_linear import resolve_linear_backend
+from twospeed.model.weight_format import ShapeMismatch, default_weight_loader, make_weight_format
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -95,19 +97,9 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _target(name: str, model: LlamaForCausalLM) -> tuple[str, int | None]:
-    """HF tensor name -> (our parameter name, shard index or None)."""
-    if name == "lm_head.weight":
-        return name, None
-    name = name.removeprefix("model.")
-    for part, (fused, shard) in model.STACKED_PARAMS.items():
-        if f".{part}." in name:
-            return name.replace(part, fused), shard
-    return name, None
-
-
 def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Copy every tensor of the checkpoint into the model, checking names and shapes."""
+    """Hand every tensor of the checkpoint to the parameter it loads into (its `weight_loader`: a format owns its
+    tensors, model/weight_format.py), checking names, shapes and that nothing is missing."""
     path = Path(path)
     params = dict(model.named_parameters())
     loaded: dict[str, set[int | None]] = {}
@@ -119,33 +111,29 @@ def load_weights(model: LlamaForCausalLM, path: str | Path) -> None:
             for name in names:
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                if name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied embeddings: some checkpoints still store the copy
-                target, shard = _target(name, model)
-                if target not in params:
-                    raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
-                param, tensor = params[target], st.get_tensor(name)
-                if shard is None:
-                    dest = param.data
-                else:
-                    sizes = model.shard_sizes(target.split(".")[-2])
-                    dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise CheckpointError(f"{f.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"expected {tuple(dest.shape)} from config.json")
-                dest.copy_(tensor)
-                loaded.setdefault(target, set()).add(shard)
-    for target in params:
-        fused = target.split(".")[-2]
-        want = set(range(len(model.shard_sizes(fused)))) if fused in ("qkv_proj", "gate_up_proj") else {None}
+                targets = model.checkpoint_targets(name)
+                tensor = st.get_tensor(name) if targets else None
+                for target, shard in targets:
+                    if target not in params:
+                        raise CheckpointError(f"{f.name}: unexpected tensor {name!r} for {model.cfg.architecture}")
+                    param = params[target]
+                    try:
+                        getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
+                    except ShapeMismatch as e:
+                        raise CheckpointError(f"{f.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                              f"expected {e.expected} from config.json") from None
+                    loaded.setdefault(target, set()).add(shard)
+    for target, param in params.items():
+        shards = getattr(param, "num_shards", None)
+        want = set(range(shards)) if shards else {None}
         for shard in sorted(want - loaded.get(target, set()), key=lambda x: -1 if x is None else x):
             raise CheckpointError(f"{path}: tensor {_hf_name(target, shard, model)!r} is missing from the checkpoint")
 
 
 def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
-    """Our parameter name -> the HF tensor name it is loaded from (inverse of _target)."""
+    """Our parameter name -> the HF tensor name it is loaded from (inverse of checkpoint_targets)."""
     if target == "lm_head.weight":
-        return target
+        return "model.embed_tokens.weight" if model.cfg.tie_word_embeddings else target
     for part, key in model.STACKED_PARAMS.items():
         if key == (target.split(".")[-2], shard):
             target = target.replace(key[0], part)
@@ -154,24 +142,27 @@ def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                max_positions: int | None = None, linear_backend: str = "auto",
-               attention_backend: str = "auto") -> LlamaForCausalLM:
+               attention_backend: str = "auto", quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> LlamaForCausalLM:
     """Build the model for config.json on `device` in `dtype` (default: the checkpoint's) and load its weights.
 
-    linear_backend: "auto" (CPU bf16: weights packed once for the C kernel, else oneDNN; model/packed_linear.py),
-    "cpu", "onednn" or "torch" (the plain nn.Linear).
-    attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu"."""
+    quantization: None (the checkpoint's weights in `dtype`), "int8" or "fp8" (quantized at load, model/quant.py).
+    linear_backend: "auto" (on CPU in bf16 the C kernels: weights packed once; else oneDNN or the portable path;
+    model/packed_linear.py), "cpu", "onednn" (unquantized only) or "torch" (portable).
+    attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu".
+    kv_cache_dtype: how the attention layers store K and V: "auto" (the model's dtype), "int8" or "fp8"
+    (model/kv_format.py); the runner allocates the cache to match (model.kv_format)."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
-    linear_backend = resolve_linear_backend(linear_backend, device, dtype)
+    fmt = make_weight_format(quantization, linear_backend, device, dtype)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, attention_backend)
+            model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt, make_kv_format(kv_cache_dtype))
+            model.requires_grad_(False)
+            load_weights(model, path)
+            model.finish_loading()
     finally:
         torch.set_default_dtype(prev)
-    model.requires_grad_(False)
-    load_weights(model, path)
-    if linear_backend != "torch":
-        model.prepack(linear_backend)
     return model.eval()

@@ -1,23 +1,25 @@
-"""bf16 linears whose weights are packed once, at load, for a CPU kernel (the portable path is nn.Linear).
+"""The unquantized weight format: weights in the model's dtype, packed once at load for a CPU kernel in bf16.
 
 A decode step multiplies a few rows by every weight of the model, so it runs at the speed weights stream
-from memory. Two packings, picked by `linear_backend`:
+from memory. `DenseFormat` picks one packing per model from `linear_backend`; each is a small class with the
+same `forward(x, bias)`:
 
-- "cpu": csrc/linear_bf16.c, AVX-512 BF16 dot products over weights in the VNNI pair layout, each weight read
-  once per step. Against oneDNN's prepacked kernels, on two Zen 4 cores: 1.5-2.3x at 1 row, 1.2-1.8x at 4-8
-  rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per output, as
-  oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding step.
-  On CPUs with AMX (Sapphire Rapids and later) oneDNN's AMX tiles beat the kernel from a few rows up (2-10x
-  at 8-64 rows, single thread), so there a "cpu" linear also keeps oneDNN's packing of the same weight and
-  sends steps of more than `AMX_KERNEL_MAX_ROWS` rows (prefill chunks, wide decode batches) to it: twice the
-  weight memory, no extra bytes read per step.
-- "onednn": oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every call). On Zen 4 the
-  results were bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
+- "cpu" (`KernelPacking`): csrc/linear_bf16.c, AVX-512 BF16 dot products over weights in the VNNI pair layout,
+  each weight read once per step. Against oneDNN's prepacked kernels, on two Zen 4 cores: 1.5-2.3x at 1 row,
+  1.2-1.8x at 4-8 rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per
+  output, as oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding
+  step. On CPUs with AMX (Sapphire Rapids and later) oneDNN's AMX tiles beat the kernel from a few rows up
+  (2-10x at 8-64 rows, single thread), so there it also keeps oneDNN's packing of the same weight and sends
+  steps of more than `AMX_KERNEL_MAX_ROWS` rows (prefill chunks, wide decode batches) to it: twice the weight
+  memory, no extra bytes read per step.
+- "onednn" (`OneDnnPacking`): oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every
+  call). On Zen 4 bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
   kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
-- "auto": the C kernel where it builds (a C compiler and AVX-512 BF16) and the input width is even, else
-  oneDNN where it has bf16 kernels, else the plain `nn.Linear`. Any other device or dtype keeps `nn.Linear`.
+- "torch" (`PlainWeight`): `F.linear`, any device and dtype: the portable path the others are tested against.
+- "auto": the C kernel where it builds (a C compiler and AVX-512 BF16), else oneDNN where it has bf16 kernels,
+  else plain. A linear with an odd input width (no k pairs) takes oneDNN or plain instead of the kernel.
 
-tests/test_packed_linear.py checks both against a float64 reference and the engine's tokens against HF's.
+tests/test_packed_linear.py checks each against a float64 reference and the engine's tokens against HF's.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import ctypes
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from twospeed.model import formats
 from twospeed.model.cbuild import load_library
+from twospeed.model.weight_format import FormatLinear, WeightFormat, copy_checked
 
-LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
 # On AMX CPUs, rows up to this many take the C kernel, more take oneDNN's AMX path. Single-thread ratios
 # kernel/oneDNN on a Sapphire Rapids core (768x2304, 768x4096, 2048x768, 768x32000): 1 row 0.46-0.86,
 # 2 rows 0.70-0.94, 4 rows 0.47-1.05, 8 rows 0.97-2.39, 16 rows 1.1-6.1 (BENCHMARKS.md).
@@ -60,86 +64,157 @@ def has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """What `backend` means here: "cpu", "onednn" or "torch" (the plain nn.Linear); errors if it cannot run."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
-    if backend == "cpu" and not (cpu_bf16 and linear_kernel() is not None):
-        raise ValueError("linear_backend 'cpu' needs a CPU device, bf16 weights, a C compiler and AVX-512 BF16")
-    if backend == "onednn" and not can_use_onednn(device, dtype):
-        raise ValueError("linear_backend 'onednn' needs a CPU device, bf16 weights and oneDNN bf16 kernels")
-    if backend == "auto":
-        if cpu_bf16 and linear_kernel() is not None:
-            return "cpu"
-        return "onednn" if can_use_onednn(device, dtype) else "torch"
-    return backend
+def rows_2d(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as [rows, in_features] with unit column stride and rows no closer than in_features (what the C kernels
+    read); a view where it already is one."""
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < in_features):
+        x2 = x2.contiguous()
+    return x2
 
 
-class PackedLinear(nn.Module):
-    """Drop-in for an inference-only bf16 nn.Linear; holds the packed weight instead of the original."""
+class PlainWeight:
+    """F.linear over the weight as loaded: any device, any dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str):
-        super().__init__()
+    name = "torch"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+class OneDnnPacking:
+    """oneDNN's reordered bf16 layout (the batch-size hint 1 picks it for decode's few rows; prefill-sized inputs
+    ran as fast)."""
+
+    name = "onednn"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
+class KernelPacking:
+    """csrc/linear_bf16.c's VNNI pair layout; on AMX CPUs also oneDNN's packing for steps of many rows."""
+
+    name = "cpu"
+
+    def __init__(self, weight: torch.Tensor):
+        lib = linear_kernel()
         self.out_features, self.in_features = weight.shape
-        if backend == "cpu" and self.in_features % 2:
-            backend = "onednn" if can_use_onednn(weight.device, weight.dtype) else "torch"  # pairs of k only
-        self.backend = backend
-        w = weight.detach()
-        wide = None  # oneDNN's packing for steps of many rows (AMX CPUs, "cpu" backend)
-        if backend == "cpu":
-            lib = linear_kernel()
-            tiles = -(-self.out_features // lib.tile_rows)
-            packed = torch.empty(tiles * lib.tile_rows * self.in_features, dtype=w.dtype, device=w.device)
-            w = w.contiguous()
-            lib.linear_bf16_pack(w.data_ptr(), packed.data_ptr(), self.out_features, self.in_features,
-                                 torch.get_num_threads())
-            if has_amx() and can_use_onednn(w.device, w.dtype):
-                wide = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        elif backend == "onednn":
-            # the batch-size hint 1 picks the layout for decode's few rows; prefill-sized inputs ran as fast
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        else:
-            packed = w
-        self.register_buffer("weight_packed", packed, persistent=False)
-        self.register_buffer("weight_wide", wide, persistent=False)
-        self.bias = bias
+        tiles = -(-self.out_features // lib.tile_rows)
+        self.weight = torch.empty(tiles * lib.tile_rows * self.in_features, dtype=weight.dtype, device=weight.device)
+        w = weight.contiguous()
+        lib.linear_bf16_pack(w.data_ptr(), self.weight.data_ptr(), self.out_features, self.in_features,
+                             torch.get_num_threads())
+        self.wide = OneDnnPacking(w) if has_amx() and can_use_onednn(w.device, w.dtype) else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.wide is not None and x.numel() > AMX_KERNEL_MAX_ROWS * self.in_features:
+            return self.wide.forward(x, bias)
+        return self.kernel(x, bias)
+
+    def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The C kernel at any row count."""
+        lead = x.shape[:-1]
+        x2 = rows_2d(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            linear_kernel().linear_bf16(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                                        x2.shape[0], self.out_features, self.in_features, torch.get_num_threads())
+        return y.view(*lead, self.out_features)
+
+
+PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, PlainWeight)}
+
+
+class PackedLinear(FormatLinear):
+    """A linear in the model's dtype: loads into a plain weight, then (finish_loading) packs it for `packing`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_sizes: list[int] | None,
+                 packing: type):
+        super().__init__(in_features, out_features, bias, shard_sizes)
+        if packing is KernelPacking and in_features % 2:  # the kernel takes k in pairs
+            packing = OneDnnPacking if can_use_onednn(torch.get_default_device(), torch.get_default_dtype()) else PlainWeight
+        self.packing = packing
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.dtype_bytes = self.weight.element_size()
+        self._loads(self.weight, self.load_weight)
+        self.packed: PlainWeight | OneDnnPacking | KernelPacking | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.packing.name
+
+    def load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        copy_checked(param.data[self.rows(shard)], tensor)
+
+    def finish_loading(self) -> None:
+        self.packed = self.packing(self.weight.detach())
+        if self.packing is not PlainWeight:
+            del self.weight  # the packed copy replaces it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, backend: str) -> PackedLinear:
-        return cls(linear.weight, linear.bias, backend)
+        """A loaded PackedLinear holding `linear`'s weight and bias, packed for `backend` ("cpu", "onednn", "torch")."""
+        w = linear.weight.detach()
+        with torch.device(w.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(w.dtype)
+            try:
+                packed = cls(linear.in_features, linear.out_features, linear.bias is not None, None, PACKINGS[backend])
+            finally:
+                torch.set_default_dtype(prev)
+        packed.load_weight(packed.weight, w)
+        if linear.bias is not None:
+            packed.load_bias(packed.bias, linear.bias.detach())
+        packed.finish_loading()
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "cpu":
-            if self.weight_wide is not None and x.numel() > AMX_KERNEL_MAX_ROWS * self.in_features:
-                return torch.ops.mkldnn._linear_pointwise(x, self.weight_wide, self.bias, "none", [], "")
-            return self._kernel(x)
-        if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.weight_packed, self.bias)
+        return self.packed.forward(x, self.bias)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < self.in_features):
-            x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        if x2.shape[0]:
-            bias = None if self.bias is None else self.bias.data_ptr()
-            linear_kernel().linear_bf16(x2.data_ptr(), x2.stride(0), self.weight_packed.data_ptr(), bias,
-                                        y.data_ptr(), self.out_features, x2.shape[0], self.out_features,
-                                        self.in_features, torch.get_num_threads())
-        return y.view(*lead, self.out_features)
+    @property
+    def nbytes(self) -> int:
+        return formats.weight_format(None).linear(self.out_features, self.in_features, self.dtype_bytes) + self.bias_bytes()
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"backend={self.backend}")
+    def describe(self) -> str:
+        return f"backend={self.backend}"
 
 
-def prepack_linears(model: nn.Module, backend: str) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear (freeing the plain weight); returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, nn.Linear)]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear.from_linear(child, backend))
-    return len(swaps)
+class DenseFormat(WeightFormat):
+    """No quantization: the checkpoint's weights in the model's dtype, packed for one of the PACKINGS."""
+
+    name = None
+
+    def __init__(self, packing: type):
+        self.packing = packing
+        self.shares_tied_embedding = packing is PlainWeight  # nothing to pack: the head reads the table itself
+
+    @classmethod
+    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype) -> DenseFormat:
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        if backend == "cpu" and not (cpu_bf16 and linear_kernel() is not None):
+            raise ValueError("linear_backend 'cpu' needs a CPU device, bf16 weights, a C compiler and AVX-512 BF16")
+        if backend == "onednn" and not can_use_onednn(device, dtype):
+            raise ValueError("linear_backend 'onednn' needs a CPU device, bf16 weights and oneDNN bf16 kernels")
+        if backend == "auto":
+            backend = "cpu" if cpu_bf16 and linear_kernel() is not None else (
+                "onednn" if can_use_onednn(device, dtype) else "torch")
+        return cls(PACKINGS[backend])
+
+    def linear(self, in_features: int, out_features: int, bias: bool,
+               shard_sizes: list[int] | None = None) -> PackedLinear:
+        return PackedLinear(in_features, out_features, bias, shard_sizes, self.packing)
+
+
+def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """What `backend` means here for unquantized weights: "cpu", "onednn" or "torch"; errors if it cannot run."""
+    from twospeed.model.weight_format import make_weight_format
+
+    return make_weight_format(None, backend, device, dtype).packing.name

@@ -17,7 +17,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from twospeed.engine.engine import StepStats
+from twospeed.engine.engine import EngineMemory, StepStats
 from twospeed.engine.request import Clock
 from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.slo import CAUSES, Verdict
@@ -125,6 +125,15 @@ class ServerMetrics:
             self.prefill_budget.labels(bound, self.model)
         self.step_error.labels(self.model)
         self.step_target.labels(self.model)
+        self.kv_block_size = Gauge("twospeed_kv_cache_block_size_tokens", "tokens per KV block", ("model",),
+                                   registry=r)
+        self.kv_token_bytes = Gauge("twospeed_kv_cache_bytes_per_token",
+                                    "bytes of K and V of one token, every layer, in the cache's format (scales included)",
+                                    ("model",), registry=r)
+        self.weight_bytes = Gauge("twospeed_model_weight_bytes", "bytes a decode step reads for the weights, in their "
+                                  "format", ("model",), registry=r)
+        self.formats = Gauge("twospeed_model_formats", "1, labelled with the weight format (quantization) and the KV "
+                             "cache dtype", ("model", "quantization", "kv_cache_dtype"), registry=r)
         self._lanes: set[str] = set()
         for lane in lanes:
             self.add_lane(lane)
@@ -192,6 +201,13 @@ class ServerMetrics:
             self.waiting.labels(lane, self.model).set(waiting.get(lane, 0))
         self.kv_usage.labels(self.model).set(kv_usage)
         self.kv_cached.labels(self.model).set(cached_blocks)
+
+    def set_memory(self, memory: EngineMemory) -> None:
+        """The weights' and the KV cache's formats and sizes, once the engine is built (the pool: set_pool)."""
+        self.kv_block_size.labels(self.model).set(memory.block_size)
+        self.kv_token_bytes.labels(self.model).set(memory.kv_bytes_per_token)
+        self.weight_bytes.labels(self.model).set(memory.weight_bytes)
+        self.formats.labels(self.model, memory.quantization or "none", memory.kv_cache_dtype).set(1)
 
     def on_finished(self, lane: str, counts: dict[str, int], clock: Clock, aborted: bool,
                     verdict: Verdict | None) -> None:

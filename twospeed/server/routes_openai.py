@@ -10,6 +10,7 @@ Bodies are parsed by hand, so their schemas reach the OpenAPI document through o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -36,7 +37,8 @@ ERRORS = {**ERROR_RESPONSES, 413: {"description": "the body is larger than --max
 async def models(state: State):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created, "owned_by": "twospeed",
-        "root": state.engine.config.model, "max_model_len": state.engine.max_model_len}]}
+        "root": state.engine.config.model, "max_model_len": state.engine.max_model_len,
+        "twospeed": dataclasses.asdict(state.memory)}]}  # weight and KV formats, block size, KV bytes per token
 
 
 # -- completions ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class ServerState:
         which then owns the metrics and history its /metrics and /dashboard show."""
         self.engine = None  # the engine's read-only facts once started (an LLMEngine here): config, tokenizer
         self.tokenizer = None
+        self.memory = None  # the engine's EngineMemory once started (weight and KV formats, pool size)
         self.config = server_config
         self.model_name = model_name
         self.slos = SLOTable(server_config.lanes())
@@ -57,11 +58,10 @@ class ServerState:
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
-        from twospeed.engine.runner import kv_bytes_per_block
-
-        engine = self.engine
-        self.kv_bytes_per_block = kv_bytes_per_block(engine.model_config, engine.config.cache.block_size, engine.dtype)
-        self.metrics.set_pool(engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
+        self.memory = self.engine.memory()  # weight and KV formats, the pool in its format's bytes
+        self.kv_bytes_per_block = self.memory.block_bytes
+        self.metrics.set_pool(self.engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
+        self.metrics.set_memory(self.memory)
         # The model, torch and the libraries are loaded for good: take them out of the cyclic GC's reach. Without
         # this a full collection walks them all, holding the GIL for 0.25-0.4 s on the demo model when a big
         # request allocates enough to trigger one (the event loop and the engine thread both stall); vLLM does

@@ -22,9 +22,15 @@
  * per call. Scores, softmax and output accumulate in float32; P is rounded to bf16 for the second product, as
  * torch's flash attention does.
  *
- * q, out: [T, H, D] rows of the flat batch; k_cache, v_cache: [num_blocks, BS, KVH, D]; per sequence s:
+ * q, out: [T, H, D] rows of the flat batch; k_cache, v_cache: [num_blocks, BS, KVH, row]; per sequence s:
  * tables[s] (max_blocks block ids), its queries are rows q_start[s] .. + q_len[s] at positions
  * ctx_len[s] - q_len[s] .. ctx_len[s] - 1. window > 0 keeps the last `window` keys. D even, D <= 256.
+ *
+ * Every kernel takes the cache's format (model/kv_format.py), `kv`: KV_PLAIN (bf16 rows of D), KV_INT8 (D int8
+ * values, then the row's bf16 scale: D + 2 bytes) or KV_FP8 (D e4m3 bytes). An 8-bit element widens to exactly
+ * one bf16 value, so scores are the same vdpbf16ps chains, times the key row's scale; the value row's scale
+ * goes into the probability that weights it (decode: in float32; prefill: before P is rounded to bf16), while
+ * the softmax's sum stays unscaled. rope_write quantizes K and V as Int8KV / Fp8KV encode them, bit for bit.
  */
 /* Unsupported here unless -march=native enables these (model/cbuild.py skips on this mark, fails otherwise). */
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__)
@@ -41,27 +47,74 @@
 #define MAXD 256
 #define MAXG 16
 
-static inline const uint16_t *slot(const uint16_t *cache, const int64_t *table, int j, int BS, int KVH, int h, int D) {
-    return cache + (((int64_t)table[j / BS] * BS + j % BS) * KVH + h) * D;
+#define KV_PLAIN 0
+#define KV_INT8 1
+#define KV_FP8 2
+
+/* bytes of one (token, KV head) row of the cache */
+static inline int row_bytes(int D, int kv) { return kv == KV_PLAIN ? 2 * D : kv == KV_INT8 ? D + 2 : D; }
+
+static inline const uint8_t *slot(const uint8_t *cache, const int64_t *table, int j, int BS, int KVH, int h, int RB) {
+    return cache + (((int64_t)table[j / BS] * BS + j % BS) * KVH + h) * RB;
 }
 
 int attention_bf16_limits(int *max_g, int *max_d) { *max_g = MAXG; *max_d = MAXD; return 0; }
 
 static inline __mmask32 tail32(int left) { return left >= 32 ? (__mmask32)0xffffffffu : (((__mmask32)1 << left) - 1); }
+static inline __mmask16 tail16(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+
+/* 16 cache elements as float32: int8 exactly, e4m3 exactly (sign-extended, shifted by 7 and bit 14 cleared it
+ * is the fp16 pattern of value / 2^8) */
+static inline __m512 i8x16_f32(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+static inline __m512 f8x16_f32(__m128i b) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBFFF));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
+/* elements 32c .. 32c + 31 of a row as bf16 (the tail past D is 0) */
+static inline __attribute__((always_inline)) __m512bh row_bf16x32(const uint8_t *row, int c, int D, const int kv) {
+    const __mmask32 mk = tail32(D - 32 * c);
+    if (kv == KV_PLAIN) return (__m512bh)_mm512_maskz_loadu_epi16(mk, (const uint16_t *)row + 32 * c);
+    const __m256i raw = _mm256_maskz_loadu_epi8(mk, row + 32 * c);
+    const __m128i lo = _mm256_castsi256_si128(raw), hi = _mm256_extracti128_si256(raw, 1);
+    if (kv == KV_INT8) return _mm512_cvtne2ps_pbh(i8x16_f32(hi), i8x16_f32(lo));
+    return _mm512_cvtne2ps_pbh(f8x16_f32(hi), f8x16_f32(lo));
+}
+
+/* elements 16c .. 16c + 15 of a row as float32 (the tail past D is 0) */
+static inline __attribute__((always_inline)) __m512 row_f32x16(const uint8_t *row, int c, int D, const int kv) {
+    const __mmask16 mk = tail16(D - 16 * c);
+    if (kv == KV_PLAIN)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)row + 16 * c)), 16));
+    const __m128i raw = _mm_maskz_loadu_epi8(mk, row + 16 * c);
+    return kv == KV_INT8 ? i8x16_f32(raw) : f8x16_f32(raw);
+}
+
+static inline float row_scale(const uint8_t *row, int D, int kv) {
+    return kv == KV_INT8 ? kv_row_scale((const int8_t *)row, D) : 1.f;
+}
+
+/* element d of a row as bf16 bits (exact) */
+static inline uint16_t row_elem_bf16(const uint8_t *row, int d, int kv) {
+    if (kv == KV_PLAIN) { uint16_t h; memcpy(&h, row + 2 * d, 2); return h; }
+    return f32_to_bf16(kv == KV_INT8 ? (float)(int8_t)row[d] : fp8_to_f32(row[d]));
+}
 
 /* q, out: [n, H, D]; tables [n, max_blocks]; lens [n]: the query of sequence s sits at position lens[s] - 1.
  * A task is one sequence and a run of its KV heads: all of them when there are enough sequences to keep the
  * threads busy, so each key's row (every KV head, contiguous in the cache) streams from memory in order. */
 #define MAXROWS 64
-void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int64_t *tables, const int64_t *lens, uint16_t *out, int n, int H, int KVH, int D,
-                           int BS, int max_blocks, int window, float scale, int threads) {
-    const int G = H / KVH, DC = (D + 31) / 32, DV = (D + 15) / 16;
+static inline __attribute__((always_inline)) void decode_impl(
+        const uint16_t *q, const uint8_t *k_cache, const uint8_t *v_cache, const int64_t *tables, const int64_t *lens,
+        uint16_t *out, int n, int H, int KVH, int D, int BS, int max_blocks, int window, float scale, int threads,
+        const int kv) {
+    const int G = H / KVH, DC = (D + 31) / 32, DV = (D + 15) / 16, RB = row_bytes(D, kv);
     int per_task = KVH;  /* KV heads per task */
     while (per_task > 1 && (per_task * G > MAXROWS || (int64_t)n * ((KVH + per_task - 1) / per_task) < 2 * threads))
         per_task = (per_task + 1) / 2;
     const int chunks = (KVH + per_task - 1) / per_task;
-    const int64_t row_stride = (int64_t)KVH * D;
+    const int64_t row_stride = (int64_t)KVH * RB;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int task = 0; task < n * chunks; task++) {
         const int s = task / chunks, h0 = (task % chunks) * per_task;
@@ -70,7 +123,7 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         const int64_t *table = tables + (int64_t)s * max_blocks;
         __m512bh qv[MAXROWS][MAXD / 32];
         __m512 acc[MAXROWS][MAXD / 16];
-        float m[MAXROWS], l[MAXROWS], sc[MAXROWS][16];
+        float m[MAXROWS], l[MAXROWS], sc[MAXROWS][16], vs[16][MAXROWS];
         for (int r = 0; r < R; r++) {  /* row r: query head h0 * G + r */
             const uint16_t *qr = q + ((int64_t)s * H + (int64_t)h0 * G + r) * D;
             for (int c = 0; c < DC; c++) qv[r][c] = (__m512bh)_mm512_maskz_loadu_epi16(tail32(D - 32 * c), qr + 32 * c);
@@ -80,20 +133,22 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         int blk = start / BS, off = start % BS;  /* key j's block and offset, walked without divisions */
         for (int j0 = start; j0 < len; j0 += 16) {
             const int nk = len - j0 < 16 ? len - j0 : 16;
-            const uint16_t *vrow[16];
+            const uint8_t *vrow[16];
             for (int jj = 0; jj < nk; jj++) {
-                const int64_t at = ((int64_t)table[blk] * BS + off) * row_stride + (int64_t)h0 * D;
+                const int64_t at = ((int64_t)table[blk] * BS + off) * row_stride + (int64_t)h0 * RB;
                 if (++off == BS) { off = 0; blk++; }
                 vrow[jj] = v_cache + at;
                 for (int hh = 0; hh < h1 - h0; hh++) {
-                    const uint16_t *kr = k_cache + at + (int64_t)hh * D;
-                    __m512bh kv[MAXD / 32];
-                    for (int c = 0; c < DC; c++) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail32(D - 32 * c), kr + 32 * c);
+                    const uint8_t *kr = k_cache + at + (int64_t)hh * RB;
+                    const float ks = scale * row_scale(kr, D, kv);  /* 1 for unscaled rows: scale exactly */
+                    vs[jj][hh] = row_scale(vrow[jj] + (int64_t)hh * RB, D, kv);
+                    __m512bh kvec[MAXD / 32];
+                    for (int c = 0; c < DC; c++) kvec[c] = row_bf16x32(kr, c, D, kv);
                     for (int g = 0; g < G; g++) {
                         const int r = hh * G + g;
                         __m512 d = _mm512_setzero_ps();
-                        for (int c = 0; c < DC; c++) d = _mm512_dpbf16_ps(d, qv[r][c], kv[c]);
-                        sc[r][jj] = _mm512_reduce_add_ps(d) * scale;
+                        for (int c = 0; c < DC; c++) d = _mm512_dpbf16_ps(d, qv[r][c], kvec[c]);
+                        sc[r][jj] = _mm512_reduce_add_ps(d) * ks;
                     }
                 }
             }
@@ -112,26 +167,31 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
             for (int jj = 0; jj < nk; jj++)
                 for (int hh = 0; hh < h1 - h0; hh++)
                     for (int c = 0; c < DV; c++) {
-                        const int left = D - 16 * c;
-                        const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                        const __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, vrow[jj] + (int64_t)hh * D + 16 * c)), 16));
+                        const __m512 vf = row_f32x16(vrow[jj] + (int64_t)hh * RB, c, D, kv);
                         for (int g = 0; g < G; g++) {
-                            const int r = hh * G + g;
-                            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r][jj]), vf, acc[r][c]);
+                            const int r = hh * G + g;  /* the value row's scale weights its probability */
+                            const float w = kv == KV_INT8 ? sc[r][jj] * vs[jj][hh] : sc[r][jj];
+                            acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w), vf, acc[r][c]);
                         }
                     }
         }
         for (int r = 0; r < R; r++) {
             uint16_t *op = out + ((int64_t)s * H + (int64_t)h0 * G + r) * D;
             const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-            for (int c = 0; c < DV; c++) {
-                const int left = D - 16 * c;
-                const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                _mm256_mask_storeu_epi16(op + 16 * c, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
-            }
+            for (int c = 0; c < DV; c++)
+                _mm256_mask_storeu_epi16(op + 16 * c, tail16(D - 16 * c),
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
         }
     }
+}
+
+void decode_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                           const int64_t *lens, uint16_t *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                           int window, float scale, int kv, int threads) {
+    const uint8_t *k = k_cache, *v = v_cache;
+    if (kv == KV_INT8) decode_impl(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, KV_INT8);
+    else if (kv == KV_FP8) decode_impl(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, KV_FP8);
+    else decode_impl(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, KV_PLAIN);
 }
 
 /* A thread's V scratch: for one (call, sequence, KV head) at a time, 16-key tiles of V as key pairs, tile t at
@@ -142,16 +202,24 @@ typedef struct { uint32_t *v; uint64_t *stamp; int64_t cap, tiles; uint64_t epoc
 static __thread vscratch_t vscratch;
 static uint64_t prefill_calls;  /* a fresh tag per call: a tile filled by an earlier call is never reused */
 
-static void fill_vtile(uint32_t *dst, const uint16_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH,
-                       int h, int D) {
+static void fill_vtile(uint32_t *dst, const uint8_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH,
+                       int h, int D, int kv) {
+    const int RB = row_bytes(D, kv);
     for (int p = 0; p < 8; p++) {
         const int j = 16 * t + 2 * p;
-        const uint16_t *a = j < ctx ? slot(v_cache, table, j, BS, KVH, h, D) : NULL;
-        const uint16_t *b = j + 1 < ctx ? slot(v_cache, table, j + 1, BS, KVH, h, D) : NULL;
+        const uint8_t *a = j < ctx ? slot(v_cache, table, j, BS, KVH, h, RB) : NULL;
+        const uint8_t *b = j + 1 < ctx ? slot(v_cache, table, j + 1, BS, KVH, h, RB) : NULL;
+        if (kv != KV_PLAIN) {  /* 8-bit values widened to bf16 (exactly); their scale goes into P */
+            for (int d = 0; d < D; d++)
+                dst[p * D + d] = (a ? row_elem_bf16(a, d, kv) : 0u) | (uint32_t)(b ? row_elem_bf16(b, d, kv) : 0u) << 16;
+            continue;
+        }
         for (int d0 = 0; d0 < D; d0 += 16) {
-            const __mmask16 mk = D - d0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d0)) - 1);
-            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a + d0)) : _mm512_setzero_si512();
-            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, b + d0)) : _mm512_setzero_si512();
+            const __mmask16 mk = tail16(D - d0);
+            const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)a + d0))
+                                 : _mm512_setzero_si512();
+            const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)b + d0))
+                                 : _mm512_setzero_si512();
             _mm512_mask_storeu_epi32(dst + p * D + d0, mk, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
@@ -159,8 +227,8 @@ static void fill_vtile(uint32_t *dst, const uint16_t *v_cache, const int64_t *ta
 
 /* Tile t of V's pairs for (call, sh = sequence * KVH + h), from the thread's scratch (filled if it is not yet),
  * or built into `spare` (8 * D values) where the scratch cannot grow to `tiles` tiles. */
-static const uint32_t *vtile(const uint16_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH, int h,
-                             int D, uint64_t call, int sh, int64_t tiles, uint32_t *spare) {
+static const uint32_t *vtile(const uint8_t *v_cache, const int64_t *table, int t, int ctx, int BS, int KVH, int h,
+                             int D, int kv, uint64_t call, int sh, int64_t tiles, uint32_t *spare) {
     vscratch_t *sc = &vscratch;
     if (sc->tiles < tiles || sc->cap < 8 * D * tiles) {  /* grow (or first use): start empty */
         free(sc->v); free(sc->stamp);
@@ -170,23 +238,24 @@ static const uint32_t *vtile(const uint16_t *v_cache, const int64_t *table, int 
         sc->cap = ok ? 8 * D * tiles : 0; sc->tiles = ok ? tiles : 0; sc->epoch = 0; sc->call = 0;
     }
     if (!sc->tiles) {
-        fill_vtile(spare, v_cache, table, t, ctx, BS, KVH, h, D);
+        fill_vtile(spare, v_cache, table, t, ctx, BS, KVH, h, D, kv);
         return spare;
     }
     if (sc->call != call || sc->sh != sh) { sc->call = call; sc->sh = sh; sc->epoch++; }
     uint32_t *dst = sc->v + (int64_t)t * 8 * D;
     if (sc->stamp[t] != sc->epoch) {
-        fill_vtile(dst, v_cache, table, t, ctx, BS, KVH, h, D);
+        fill_vtile(dst, v_cache, table, t, ctx, BS, KVH, h, D, kv);
         sc->stamp[t] = sc->epoch;
     }
     return dst;
 }
 
-void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+void prefill_attention_bf16(const uint16_t *q, const void *k_cache_, const void *v_cache_,
                             const int64_t *tables, const int64_t *q_start, const int64_t *q_len,
                             const int64_t *ctx_len, uint16_t *out, int n, int H, int KVH, int D, int BS,
-                            int max_blocks, int window, float scale, int threads) {
-    const int G = H / KVH, D2 = D / 2;
+                            int max_blocks, int window, float scale, int kv, int threads) {
+    const int G = H / KVH, D2 = D / 2, RB = row_bytes(D, kv);
+    const uint8_t *k_cache = k_cache_, *v_cache = v_cache_;
     int64_t *task_off = malloc(sizeof(int64_t) * (n + 1));
     int64_t max_tiles = 1;
     task_off[0] = 0;
@@ -235,12 +304,20 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
             __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
             __m512 o[MAXD];
             uint32_t spare[8 * MAXD];  /* V's pairs of one tile, where the thread's scratch cannot grow */
+            uint16_t kwide[16][MAXD] __attribute__((aligned(64)));  /* an 8-bit cache's keys of the tile, as bf16 */
             for (int d = 0; d < D; d++) o[d] = _mm512_setzero_ps();
             const __m512 vscale = _mm512_set1_ps(scale);
             const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
             for (int j0 = lo & ~15; j0 < hi; j0 += 16) {
                 __m512 sc[16];
+                float ks[16], vsc[16];  /* an 8-bit cache's K and V row scales of the tile's keys (1 for fp8) */
+                for (int jj = 0; jj < 16 && kv != KV_PLAIN; jj++) {  /* its keys widened to bf16 once per tile */
+                    const uint8_t *kr = slot(k_cache, table, j0 + jj < hi ? j0 + jj : hi - 1, BS, KVH, h, RB);
+                    ks[jj] = row_scale(kr, D, kv);
+                    vsc[jj] = row_scale(slot(v_cache, table, j0 + jj < hi ? j0 + jj : hi - 1, BS, KVH, h, RB), D, kv);
+                    for (int d = 0; d < D; d++) kwide[jj][d] = row_elem_bf16(kr, d, kv);
+                }
                 for (int jj = 0; jj < 16; jj += 8) {
                     /* eight independent chains: one chain is a dependent vdpbf16ps per k pair, so fewer would
                      * leave the FMA units waiting on its latency */
@@ -249,7 +326,8 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                     for (int u = 0; u < 8; u++) {
                         /* keys past hi get a real key's address (masked below) so the loop stays branch-free */
                         const int j = j0 + jj + u;
-                        kr[u] = (const uint32_t *)slot(k_cache, table, j < hi ? j : hi - 1, BS, KVH, h, D);
+                        kr[u] = kv == KV_PLAIN ? (const uint32_t *)slot(k_cache, table, j < hi ? j : hi - 1, BS, KVH, h, RB)
+                                               : (const uint32_t *)kwide[jj + u];
                         a[u] = _mm512_setzero_ps();
                     }
                     for (int c = 0; c < D2; c++) {
@@ -264,7 +342,8 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                     const __m512i key = _mm512_set1_epi32(j0 + jj);
                     const __mmask16 seen = _mm512_cmp_epi32_mask(key, vpos, _MM_CMPINT_LE)
                                          & _mm512_cmp_epi32_mask(key, vfrom, _MM_CMPINT_NLT);
-                    sc[jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, sc[jj], vscale);
+                    sc[jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, sc[jj],
+                                                kv == KV_INT8 ? _mm512_set1_ps(scale * ks[jj]) : vscale);
                     mx = _mm512_max_ps(mx, sc[jj]);
                 }
                 const __m512 mnew = _mm512_max_ps(m, mx);
@@ -281,12 +360,14 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
                 m = mnew;
                 if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ))
                     for (int d = 0; d < D; d++) o[d] = _mm512_mul_ps(o[d], corr);
+                if (kv == KV_INT8)  /* the sum above is unscaled; each value row's scale weights its probability */
+                    for (int jj = 0; jj < 16; jj++) sc[jj] = _mm512_mul_ps(sc[jj], _mm512_set1_ps(vsc[jj]));
                 __m512bh pp[8];
                 for (int p = 0; p < 8; p++)
                     pp[p] = (__m512bh)_mm512_permutexvar_epi16(
                         interleave, (__m512i)_mm512_cvtne2ps_pbh(sc[2 * p + 1], sc[2 * p]));
-                const uint32_t *vt = vtile(v_cache, table, j0 / 16, ctx, BS, KVH, h, D, call, s * KVH + h, max_tiles,
-                                           spare);
+                const uint32_t *vt = vtile(v_cache, table, j0 / 16, ctx, BS, KVH, h, D, kv, call, s * KVH + h,
+                                           max_tiles, spare);
                 for (int d = 0; d < D; d++) {
                     __m512 acc = o[d];
                     for (int p = 0; p < 8; p++)
@@ -308,26 +389,60 @@ void prefill_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const ui
     free(task_off);
 }
 
+/* One K or V row (D bf16 values in float) into the cache in its format, as model/kv_format.py encodes it: int8
+ * scale = bf16(max |x| / 127), q = round-half-even(x / scale) clamped to 127; fp8 = e4m3(clamp(x, 448)). */
+static void write_row(uint8_t *dst, const float *x, int D, int kv) {
+    if (kv == KV_PLAIN) {
+        for (int d = 0; d < D; d++) { const uint16_t h = f32_to_bf16(x[d]); memcpy(dst + 2 * d, &h, 2); }
+    } else if (kv == KV_INT8) {
+        float amax = 0.f;
+        for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const uint16_t sb = f32_to_bf16(amax / 127.f);
+        const float sf = bf16_to_f32(sb), safe = sf > 0.f ? sf : 1.f;
+        for (int d = 0; d < D; d++) {
+            float v = nearbyintf(x[d] / safe);
+            v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
+            dst[d] = (uint8_t)(int8_t)v;
+        }
+        memcpy(dst + D, &sb, 2);
+    } else {
+        for (int d = 0; d < D; d++) dst[d] = f32_to_fp8(x[d] > 448.f ? 448.f : x[d] < -448.f ? -448.f : x[d]);
+    }
+}
+
 /* RoPE on q and k and the cache write, one pass (decode steps paid ~10 small torch ops per layer for it).
  * qkv: [T, (H + 2 KVH) D] rows (stride ldqkv); cos, sin_signed: [T, D] (this step's positions, model dtype);
- * q_out: [T, H, D]; k and v go to cache slot slots[t]. As HF in bf16: x * cos and roll(x, D/2) * sin are each
- * rounded, then their sum. */
+ * q_out: [T, H, D]; k and v go to cache slot slots[t], in the cache's format. As HF in bf16: x * cos and
+ * roll(x, D/2) * sin are each rounded, then their sum. */
 void rope_write_bf16(const uint16_t *qkv, int64_t ldqkv, const uint16_t *cos, const uint16_t *sin_signed,
-                     const int64_t *slots, uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, int T, int H,
-                     int KVH, int D, int threads) {
-    const int half = D / 2;
+                     const int64_t *slots, uint16_t *q_out, void *k_cache_, void *v_cache_, int T, int H,
+                     int KVH, int D, int kv, int threads) {
+    const int half = D / 2, RB = row_bytes(D, kv);
+    uint8_t *k_cache = k_cache_, *v_cache = v_cache_;
     #pragma omp parallel for num_threads(T >= 16 ? threads : 1) schedule(static)
     for (int t = 0; t < T; t++) {
         const uint16_t *row = qkv + t * ldqkv, *c = cos + (int64_t)t * D, *s = sin_signed + (int64_t)t * D;
+        float x[MAXD];
         for (int h = 0; h < H + KVH; h++) {
-            const uint16_t *x = row + (int64_t)h * D;
-            uint16_t *dst = h < H ? q_out + ((int64_t)t * H + h) * D : k_cache + (slots[t] * KVH + (h - H)) * D;
+            const uint16_t *in = row + (int64_t)h * D;
             for (int d = 0; d < D; d++) {
-                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[d]) * bf16_to_f32(c[d])));
-                const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[(d + half) % D]) * bf16_to_f32(s[d])));
-                dst[d] = f32_to_bf16(a + b);
+                const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(in[d]) * bf16_to_f32(c[d])));
+                const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(in[(d + half) % D]) * bf16_to_f32(s[d])));
+                x[d] = bf16_to_f32(f32_to_bf16(a + b));
             }
+            if (h < H)
+                for (int d = 0; d < D; d++) q_out[((int64_t)t * H + h) * D + d] = f32_to_bf16(x[d]);
+            else
+                write_row(k_cache + (slots[t] * KVH + (h - H)) * RB, x, D, kv);
         }
-        memcpy(v_cache + slots[t] * KVH * D, row + (int64_t)(H + KVH) * D, sizeof(uint16_t) * KVH * D);
+        if (kv == KV_PLAIN) {
+            memcpy(v_cache + slots[t] * KVH * RB, row + (int64_t)(H + KVH) * D, sizeof(uint16_t) * KVH * D);
+            continue;
+        }
+        for (int h = 0; h < KVH; h++) {
+            const uint16_t *in = row + (int64_t)(H + KVH + h) * D;
+            for (int d = 0; d < D; d++) x[d] = bf16_to_f32(in[d]);
+            write_row(v_cache + (slots[t] * KVH + h) * RB, x, D, kv);
+        }
     }
 }

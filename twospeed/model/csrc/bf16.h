@@ -1,7 +1,9 @@
 /* bf16 helpers shared by the kernels in this folder (model/cbuild.py keys each build on the headers too). */
 #ifndef TWOSPEED_BF16_H
 #define TWOSPEED_BF16_H
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) { union { uint32_t u; float f; } v; v.u = (uint32_t)h << 16; return v.f; }
 
@@ -10,6 +12,36 @@ static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } v; v.f = f;
     if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* fp8 e4m3 (finite, no NaN produced here) <-> float32, as torch's float8_e4m3fn converts: round to nearest even,
+ * subnormals kept. The caller clamps to +-448 before encoding. */
+static inline float fp8_to_f32(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    union { uint32_t u; float f; } v;
+    if (e == 0) { v.f = (float)m * (1.f / 512.f); }
+    else v.u = ((uint32_t)(e + 120) << 23) | ((uint32_t)m << 20);
+    return (b & 0x80) ? -v.f : v.f;
+}
+
+static inline uint8_t f32_to_fp8(float f) {
+    union { uint32_t u; float f; } v; v.f = f;
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80);
+    v.u &= 0x7fffffffu;
+    uint32_t code;
+    if (v.f < 0.015625f) {  /* below 2^-6: subnormal steps of 2^-9 (8 steps is the first normal, the same code) */
+        code = (uint32_t)nearbyintf(v.f * 512.f);
+    } else {
+        const uint32_t r = v.u + 0x7ffffu + ((v.u >> 20) & 1u);  /* round the mantissa to 3 bits, ties to even */
+        code = (r >> 20) - (120u << 3);
+        if (code > 0x7e) code = 0x7e;  /* 448 */
+    }
+    return (uint8_t)(sign | code);
+}
+
+/* an int8 KV row's bf16 scale, in the two bytes after its head_dim values */
+static inline float kv_row_scale(const int8_t *row, int D) {
+    uint16_t h; memcpy(&h, row + D, 2); return bf16_to_f32(h);
 }
 
 #ifdef __AVX512F__

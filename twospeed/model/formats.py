@@ -1,0 +1,72 @@
+"""What each weight format and KV cache dtype costs in bytes, without torch (the planner and the lab read these).
+
+A decode step reads every weight and the whole KV cache, so these byte counts set its floor. The format classes
+(model/packed_linear.py, model/quant.py) and the KV pool (engine/runner.py) count their own bytes through
+these functions, so what the planner predicts is what the engine allocates.
+
+Weight formats (`quantization`):
+  None     the checkpoint's dtype (or `dtype`): 2 bytes a weight in bf16, 4 in fp32
+  int8     1 byte a weight + a float32 scale per output row (per-output-channel symmetric)
+  fp8      1 byte a weight (e4m3) + a float32 scale per output row
+KV cache dtypes (`kv_cache_dtype`):
+  auto     the model's dtype
+  int8     1 byte an element + a bf16 scale per token and KV head, for K and for V
+  fp8      1 byte an element (e4m3, unscaled: K and V stay well inside e4m3's +-448)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """Bytes of one linear's weight in a format: `per_weight` each, plus `per_row` for each output row (scales)."""
+
+    per_weight: float | None  # None: the activation dtype's size (an unquantized weight)
+    per_row: int = 0
+
+    def linear(self, out_features: int, in_features: int, dtype_bytes: int) -> int:
+        """Bytes a decode step reads for one [out_features, in_features] weight (bias not included)."""
+        per = dtype_bytes if self.per_weight is None else self.per_weight
+        return int(out_features * in_features * per) + out_features * self.per_row
+
+
+WEIGHT_BYTES = {None: WeightBytes(None), "int8": WeightBytes(1, 4), "fp8": WeightBytes(1, 4),
+                # test-only formats (model/quant.py): deliberately destructive, for the gate's own tests
+                "test-int4-per-tensor": WeightBytes(1, 0), "test-random-scale": WeightBytes(1, 4)}
+QUANTIZATIONS = ("int8", "fp8")  # what users choose from; the test-only names are accepted but not listed
+
+
+@dataclass(frozen=True, slots=True)
+class KVBytes:
+    """Bytes of one cached element: `per_elem` each, plus `per_head` for each (token, KV head) of K and of V."""
+
+    per_elem: int | None  # None: the model's dtype
+    per_head: int = 0  # the int8 scale (bf16)
+
+
+KV_CACHE_DTYPES = {"auto": KVBytes(None), "int8": KVBytes(1, 2), "fp8": KVBytes(1)}
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto",
+                       model_dtype_bytes: int = 2) -> int:
+    """K and V of one token, every layer, scales included: what a cached token costs in memory and in each
+    decode step that attends to it."""
+    kv = kv_format(kv_cache_dtype)
+    per = model_dtype_bytes if kv.per_elem is None else kv.per_elem
+    return 2 * num_layers * num_kv_heads * (head_dim * per + kv.per_head)
+
+
+def kv_format(kv_cache_dtype: str) -> KVBytes:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def weight_format(quantization: str | None) -> WeightBytes:
+    if quantization not in WEIGHT_BYTES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got {quantization!r}")
+    return WEIGHT_BYTES[quantization]
