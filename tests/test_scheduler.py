@@ -513,6 +513,18 @@ def test_preempted_request_rehits_its_own_cached_blocks():
     assert sim.kv.num_free_blocks == 5
 
 
+def test_prefix_hits_add_up_over_requests():
+    """The scheduler's hit counter sums every admission's cached tokens (two requests hit a's first block)."""
+    sim = Sim(12, 4, max_num_batched_tokens=64)
+    sim.add("a", list(range(3, 13)), 3)
+    sim.step()
+    sim.add("b", list(range(3, 9)), 2)
+    sim.add("c", list(range(3, 10)), 2)
+    sim.run()
+    assert [sim.reqs[r].bill.cached_tokens for r in "abc"] == [0, 4, 4]
+    assert (sim.sched.prefix_queries, sim.sched.prefix_hits) == (10 + 6 + 7, 8)
+
+
 def test_abort_returns_blocks_at_once():
     sim = Sim(8, 4, max_num_batched_tokens=64)
     a = sim.add("a", list(range(3, 13)), 5)
