@@ -94,7 +94,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     clock = (resp.server or {}).get("clock") or {}
     slo = (resp.server or {}).get("slo") or {}
     spec = (resp.server or {}).get("spec") or {}
-    steps = _steps(clock, t, b["forced_tokens"]) if ok else None
+    steps = _steps(clock, t) if ok else None
     info = p.turn
     return {
         "index": p.index, "lane": lane.name, "job": info.job if info else None, "turn": info.turn if info else None,
@@ -130,7 +130,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     }
 
 
-def _steps(clock: dict, timing, forced: int) -> int | None:
+def _steps(clock: dict, timing) -> int | None:
     """Engine steps that yielded the answer's tokens: the server's decode steps plus the prefill's sample when it
     says (twospeed), else the streamed chunks that carried tokens (a server streams one per step). Tokens a step
     yields beyond one (speculation, jump-forward) are what makes steps per token fall below 1."""
