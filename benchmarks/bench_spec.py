@@ -29,13 +29,10 @@ targets. Nothing is written to BENCHMARKS.md; paste the report.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +44,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "peers"))
 sys.path.insert(0, str(ROOT))
 
-from serve import SETTINGS, Server, free_port, serve, stop, wait_ready  # noqa: E402
+from bench_itl_promise import run_bench, twospeed_serve  # noqa: E402
+from serve import SETTINGS, serve  # noqa: E402
 
 TWOSPEED_FLAGS = {
     "none": [],
@@ -104,30 +102,13 @@ def task_model_available() -> bool:
     return is_builtin("demo-task")
 
 
-@contextlib.contextmanager
 def twospeed_server(plan: Plan, config: str, model: Path, log: Path):
     """`twospeed serve` with the peers' settings and the config's speculation flags; stopped on exit."""
-    port, s = free_port(), SETTINGS
     flags = [str(builtin_folder(plan.draft_model)) if f == "@draft" else f for f in TWOSPEED_FLAGS[config]]
     if config != "none":
         flags += ["--num-speculative-tokens", str(plan.gamma), "--prompt-lookup-min", str(plan.lookup_min),
                   "--prompt-lookup-max", str(plan.lookup_max)]
-    cmd = [sys.executable, "-m", "twospeed.cli", "serve", "--model", str(model), "--served-model-name", "bench",
-           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(s.max_num_seqs),
-           "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_gib),
-           "--max-waiting", "1024", "--log-level", "warning", *flags]
-    env = os.environ | {"OMP_NUM_THREADS": str(plan.threads), "PYTHONPATH": str(ROOT)}
-    server = Server("twospeed", "bf16", f"http://127.0.0.1:{port}", "bench", cmd, env, log)
-    with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        server.process = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, cwd=ROOT)
-    try:
-        wait_ready(server, s.startup_timeout_s)
-        yield server
-    finally:
-        stop(server)
+    return twospeed_serve(model, flags, plan.threads, log)
 
 
 def vllm_server(plan: Plan, config: str, model: Path):
@@ -142,19 +123,11 @@ def vllm_server(plan: Plan, config: str, model: Path):
 
 def bench(plan: Plan, url: str, model_name: str, workload: str, tokenizer: Path, out: Path, label: str) -> dict:
     """One `twospeed bench` run of a workload; its results.json, or {'error': ...}."""
-    cmd = [sys.executable, "-m", "twospeed.cli", "bench", "--url", url + "/v1", "--model", model_name,
-           "--workload", workload, "--requests", str(plan.requests), "--rate", str(plan.rate), "--seed",
-           str(plan.seed), "--salt", secrets.token_hex(8), "--out", str(out), "--tokenizer", str(tokenizer),
-           "--scale", str(plan.scale), "--max-prompt-tokens", str(plan.max_prompt_tokens), "--no-progress",
-           "--label", label, "--timeout", str(plan.timeout_s)]
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "bench.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)}).returncode
-    results = out / "results.json"
-    if rc != 0 or not results.is_file():
-        return {"error": f"twospeed bench exited {rc}; see {out / 'bench.log'}"}
-    return json.loads(results.read_text())
+    return run_bench(["--url", url + "/v1", "--model", model_name, "--workload", workload, "--requests",
+                      str(plan.requests), "--rate", str(plan.rate), "--seed", str(plan.seed), "--salt",
+                      secrets.token_hex(8), "--tokenizer", str(tokenizer), "--scale", str(plan.scale),
+                      "--max-prompt-tokens", str(plan.max_prompt_tokens), "--label", label, "--timeout",
+                      str(plan.timeout_s)], out)
 
 
 def lane_numbers(lane: dict) -> dict:

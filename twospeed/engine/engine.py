@@ -240,7 +240,7 @@ class LLMEngine:
             self.threads.tick()
         propose_time = 0.0
         if self.speculator is not None:
-            propose_time = self.speculator.propose(self.scheduler.running, self.scheduler.requests.__contains__)
+            propose_time = self.speculator.propose(self.scheduler.running, self.scheduler.requests.get)
         out = self.scheduler.schedule()
         touched: list[Request] = []
         errored: list[Request] = []

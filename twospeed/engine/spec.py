@@ -209,19 +209,20 @@ class Speculator:
         self.policy = SpecPolicy(cfg)
         self.max_model_len = max_model_len
         self.propose_seconds = 0.0  # the last propose call's time
-        self._asked: set[str] = set()  # requests the proposer may hold state for
+        self._asked: dict[str, Request] = {}  # requests the proposer may hold state for, by id
 
     def start(self, req: Request, off: str | None = None) -> None:
         """A new request (off: "opted_out" or "lane_policy", which keep it from ever speculating)."""
         self.policy.start(req, off)
 
-    def propose(self, running: list[Request], live: Callable[[str], bool]) -> float:
+    def propose(self, running: list[Request], live: Callable[[str], Request | None]) -> float:
         """Set spec_token_ids of every decoding request the policy lets propose; returns the seconds it took.
-        live(request_id): still known to the scheduler (a proposer's state of one that is not is released)."""
+        live(request_id): the scheduler's request of that id, if any. A proposer's state of a request that has
+        ended is released, also where a new request has taken its id since."""
         t0 = time.perf_counter()
-        for rid in [r for r in self._asked if not live(r)]:
+        for rid in [rid for rid, req in self._asked.items() if live(rid) is not req]:
             self.proposer.release(rid)
-            self._asked.discard(rid)
+            del self._asked[rid]
         reqs, gammas = [], []
         for req in running:
             req.spec_token_ids = []
@@ -233,7 +234,7 @@ class Speculator:
                 reqs.append(req)
                 gammas.append(gamma)
         if reqs:
-            self._asked.update(r.request_id for r in reqs)
+            self._asked.update((r.request_id, r) for r in reqs)
             for req, gamma, draft in zip(reqs, gammas, self.proposer.propose(reqs, gammas)):
                 draft = draft[:gamma]
                 if req.grammar is not None and draft:  # a draft the grammar forbids would only be rejected
