@@ -92,12 +92,16 @@ class EngineMemory:
 
 
 def resolve_model_path(model: str) -> Path:
+    """A checkpoint folder, or the built-in demo (`demo`) or its draft (`demo-draft`), built on first use."""
     if model == "demo":
         from twospeed.model.demo import demo_checkpoint_path
         return demo_checkpoint_path()
+    if model == "demo-draft":
+        from twospeed.model.demo import draft_checkpoint_path
+        return draft_checkpoint_path()
     path = Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo')")
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo' or 'demo-draft')")
     return path
 
 

@@ -190,13 +190,10 @@ class DraftModelProposer:
 
 
 def draft_model_path(name: str) -> Path:
-    if name == "demo-draft":
-        from twospeed.model.demo import draft_checkpoint_path
-        return draft_checkpoint_path()
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"draft model {name!r}: no such checkpoint folder (or use 'demo-draft')")
-    return path
+    """The draft's checkpoint folder: as the target's is found (engine.py imports this module, hence here)."""
+    from twospeed.engine.engine import resolve_model_path
+
+    return resolve_model_path(name)
 
 
 # -- the engine's side ------------------------------------------------------------------------------------
