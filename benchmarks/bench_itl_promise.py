@@ -96,18 +96,24 @@ class Plan:
     threads: int
 
 
-@contextlib.contextmanager
 def twospeed_server(plan: Plan, variant: str, log: Path, flags: tuple[str, ...] = ()):
     """`twospeed serve` with the peers' settings and the variant's flags (then `flags`, which win over both);
     stopped (process group) on exit."""
-    port = free_port()
     extra = [a for f in VARIANTS[variant] for a in (slo_flags("mixed") if f == "@slo" else [f])] + list(flags)
+    return twospeed_serve(plan.model, extra, plan.threads, log)
+
+
+@contextlib.contextmanager
+def twospeed_serve(model: Path | str, flags: list[str], threads: int, log: Path):
+    """`twospeed serve MODEL` (served as "bench") with serve.py's settings plus `flags`, on `threads` threads;
+    stopped (process group) on exit."""
+    port = free_port()
     s = SETTINGS
-    cmd = [sys.executable, "-m", "twospeed.cli", "serve", "--model", str(plan.model), "--served-model-name", "bench",
+    cmd = [sys.executable, "-m", "twospeed.cli", "serve", "--model", str(model), "--served-model-name", "bench",
            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(s.max_num_seqs),
            "--max-model-len", str(s.max_model_len), "--kv-cache-memory-gb", str(s.kv_cache_gib),
-           "--max-waiting", "1024", "--log-level", "warning", *extra]
-    env = os.environ | {"OMP_NUM_THREADS": str(plan.threads), "PYTHONPATH": str(ROOT)}
+           "--max-waiting", "1024", "--log-level", "warning", *flags]
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     server = Server("twospeed", "bf16", f"http://127.0.0.1:{port}", "bench", cmd, env, log)
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
@@ -174,11 +180,16 @@ def cost_model_view(before: dict, after: dict) -> dict | None:
 
 def bench(plan: Plan, url: str, model_name: str, rate: float, out: Path, label: str) -> dict:
     """One `twospeed bench --workload mixed` run; its results.json, or {'error': ...}."""
-    cmd = [sys.executable, "-m", "twospeed.cli", "bench", "--url", url + "/v1", "--model", model_name,
-           "--workload", "mixed", "--requests", str(plan.requests), "--rate", str(rate), "--seed", str(plan.seed),
-           "--salt", secrets.token_hex(8), "--out", str(out), "--tokenizer", str(plan.model),
-           "--scale", str(plan.scale), "--max-prompt-tokens", str(plan.max_prompt_tokens), "--ignore-eos",
-           "--no-progress", "--label", label, "--timeout", str(plan.timeout_s)]
+    return run_bench(["--url", url + "/v1", "--model", model_name, "--workload", "mixed", "--requests",
+                      str(plan.requests), "--rate", str(rate), "--seed", str(plan.seed), "--salt", secrets.token_hex(8),
+                      "--tokenizer", str(plan.model), "--scale", str(plan.scale), "--max-prompt-tokens",
+                      str(plan.max_prompt_tokens), "--ignore-eos", "--label", label, "--timeout", str(plan.timeout_s)],
+                     out)
+
+
+def run_bench(args: list[str], out: Path) -> dict:
+    """`twospeed bench ARGS --out OUT --no-progress` (its log in OUT/bench.log); its results.json, or {'error': ...}."""
+    cmd = [sys.executable, "-m", "twospeed.cli", "bench", *args, "--out", str(out), "--no-progress"]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "bench.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

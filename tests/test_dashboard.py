@@ -151,7 +151,8 @@ def test_history_memory_stays_under_its_stated_cap_in_a_soak():
     data = history.since()
     assert len(data["requests"]) == 1500 and len(data["steps"]["t"]) == 4096 and len(data["gaps"]["gap"]) == 8192
     assert used <= history.memory_cap, (used, history.memory_cap)
-    assert History().memory_cap < 24 << 20  # the defaults: ~22 MB, whatever the traffic
+    # the defaults: ~26 MB whatever the traffic (speculation's three step series take 1.6 MB of it)
+    assert History().memory_cap < 25 << 20
 
 
 def test_a_failing_listener_is_logged_and_the_others_still_hear(caplog):

@@ -176,6 +176,41 @@ def test_a_failing_step_fails_only_the_request_that_caused_it(engine, solo, wher
     assert engine.num_step_failures == before + 1 and idle(engine)
 
 
+@pytest.fixture(scope="module")
+def spec_engine():
+    """Speculating on every step it can (ngram over repeats, no fallback): verify rows in the failing steps."""
+    return LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=64, max_model_len=MAX_LEN, spec_method="ngram",
+                                              prompt_lookup_min=1, spec_auto_fallback=False))
+
+
+SPEC_VICTIMS = {"greedy": ([5, 6, 7, 5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
+                "seeded": ([9, 8, 9, 8, 9, 8, 9], SamplingParams(max_tokens=12, temperature=0.05, seed=7,
+                                                             ignore_eos=True))}  # sampled, near-greedy: repeats
+
+
+@pytest.mark.parametrize("where", ["verify", "runner"])
+def test_a_failing_verify_step_fails_only_its_culprit(spec_engine, where, monkeypatch):
+    """The victims' drafts are verified in the steps that raise; isolation re-runs by halves (forward) and request
+    by request over each one's verify rows (sampling): the victims' tokens and traces equal their solo runs."""
+    engine = spec_engine
+    solo = {rid: run(engine, {rid: req})[rid] for rid, req in SPEC_VICTIMS.items()}
+    assert all(o.spec.proposed for o in solo.values()), "no drafts: the test would check plain steps only"
+    if where == "verify":  # the culprit's rows raise in a verify step, and alone (its re-run has no drafts) too
+        monkeypatch.setattr(engine.sampler, "verify", _Faulty(engine.sampler.verify, "culprit",
+                                                              lambda logits, reqs, drafts: reqs))
+        monkeypatch.setattr(engine, "sampler", _Faulty(engine.sampler, "culprit", lambda logits, reqs: reqs))
+    else:
+        monkeypatch.setattr(engine.runner, "execute",
+                            _Faulty(engine.runner.execute, "culprit", lambda chunks, kv: [c.request for c in chunks]))
+    culprit = ([1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=8, ignore_eos=True))
+    finals = run(engine, {**SPEC_VICTIMS, "culprit": culprit})
+    assert finals["culprit"].finish_reason == "error" and "injected" in finals["culprit"].error
+    for rid in SPEC_VICTIMS:
+        assert finals[rid].token_ids == solo[rid].token_ids and finals[rid].error is None
+        assert finals[rid].spec.accepted == solo[rid].spec.accepted
+    assert idle(engine)
+
+
 def _step_all(engine: LLMEngine, ids: set[str]) -> dict:
     finals = {}
     while ids - finals.keys():

@@ -255,7 +255,7 @@ def test_job_record_arithmetic():
         return {"turn": turn, "step": "s", "error": None, "ttft_s": ttft, "ttlt_s": call_s, "call_s": call_s,
                 "server_queue_s": queue, "server_ttft_s": ttft, "prompt_tokens": prompt, "cached_tokens": cached,
                 "prefilled_tokens": prompt - cached, "output_tokens": 4, "goodput_tokens": 0, "forced_tokens": 0,
-                "observation_tokens": 0}
+                "spec_proposed": 0, "spec_accepted": 0, "observation_tokens": 0}
 
     run = JobRun(Planned(7, "j", 1.0, "", 0), sent=1.5, finished=4.5, tool_s=0.6, gate_s=0.1, steps_passed=True,
                  job_gate=GateResult(True))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from twospeed.lab import bill, stats
-from twospeed.lab.results import judge_slo
+from twospeed.lab.report import spec_line
+from twospeed.lab.results import _steps, judge_slo, spec_summary
 from twospeed.lab.workload import SLO, Price
 
 
@@ -113,13 +114,15 @@ def test_bill_sources_and_money():
     assert bill.request_bill(usage, server, 90, 9, True)["cached_tokens"] == 64  # the server's own bill wins
     b = bill.request_bill(usage, None, 90, 9, False)
     assert b == {"prompt_tokens": 100, "cached_tokens": 32, "prefilled_tokens": 68, "output_tokens": 10,
-                 "goodput_tokens": 0, "forced_tokens": 0}
+                 "goodput_tokens": 0, "forced_tokens": 0, "spec_proposed": 0, "spec_accepted": 0}
     assert bill.request_bill(None, {"bill": {**server["bill"], "forced_tokens": 4}}, 0, 0, True)["forced_tokens"] == 4
+    spec = bill.request_bill(None, {"bill": {**server["bill"], "spec_proposed": 12, "spec_accepted": 7}}, 0, 0, True)
+    assert (spec["spec_proposed"], spec["spec_accepted"]) == (12, 7)  # speculation's drafts, from the server's bill
     assert bill.request_bill(None, None, 90, 9, True)["goodput_tokens"] == 9
     # usage without some fields: the client's counts; no cached count is 0
     assert bill.request_bill({"prompt_tokens_details": None}, None, 90, 9, True) == {
         "prompt_tokens": 90, "cached_tokens": 0, "prefilled_tokens": 90, "output_tokens": 9, "goodput_tokens": 9,
-        "forced_tokens": 0}
+        "forced_tokens": 0, "spec_proposed": 0, "spec_accepted": 0}
     assert bill.request_bill(None, {"bill": None}, 7, 2, False)["cached_tokens"] == 0
     m = bill.money({"prefilled_tokens": 1_000_000, "cached_tokens": 2_000_000, "output_tokens": 500_000},
                    Price(3.0, 0.3, 15.0))
@@ -143,3 +146,23 @@ def test_bill_sources_and_money():
     assert Price.parse("1,0.1,2") == Price(1.0, 0.1, 2.0)
     with pytest.raises(ValueError, match="INPUT,CACHED,OUTPUT"):
         Price.parse("1,2")
+
+
+def test_steps_per_token_and_speculation_summary():
+    """Steps from the server's clock (decode steps + the prefill's sample), else one per streamed chunk (a peer);
+    the summary sums drafts over the records that have them and divides steps by the tokens of those with steps."""
+    assert _steps({"decode_steps": 4}, None) == 5
+    chunks = type("T", (), {"chunk_gaps": [0.1, 0.2, 0.1], "output_tokens": 9})()
+    assert _steps({}, chunks) == 4
+    records = [{"steps": 5, "output_tokens": 12, "spec_proposed": 16, "spec_accepted": 7, "spec_verify_steps": 4},
+               {"steps": 10, "output_tokens": 10, "spec_proposed": 0, "spec_accepted": 0, "spec_verify_steps": None},
+               {"steps": None, "output_tokens": 3}]
+    s = spec_summary(records)
+    assert s == {"proposed": 16, "accepted": 7, "verify_steps": 4, "acceptance_rate": 7 / 16,
+                 "mean_acceptance_length": 1 + 7 / 4, "steps_per_token": 15 / 22}
+    assert spec_summary([{"steps": None, "output_tokens": 0}])["steps_per_token"] is None
+    doc = {"lanes": {"agent": {"spec": s}, "quiet": {"spec": spec_summary([])},
+                     "peer": {"spec": {**spec_summary(records[1:2]), "proposed": 0}}}}
+    assert spec_line(doc) == ("decode: agent 0.68 steps/token, 7/16 drafts kept (44%), acceptance length 2.75; "
+                              "peer 1.00 steps/token")
+    assert spec_line({"lanes": {"quiet": {"spec": spec_summary([])}}}) is None

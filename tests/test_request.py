@@ -57,9 +57,10 @@ def test_percentile_of_nothing():
 
 def test_bill_as_dict_and_status():
     b = Bill(prompt_tokens=1, cached_tokens=2, prefilled_tokens=3, output_tokens=4, recomputed_tokens=5,
-             forced_tokens=6)
+             forced_tokens=6, spec_proposed=7, spec_accepted=8, spec_rejected=9)
     assert b.as_dict() == {"prompt_tokens": 1, "cached_tokens": 2, "prefilled_tokens": 3, "output_tokens": 4,
-                           "recomputed_tokens": 5, "forced_tokens": 6}
+                           "recomputed_tokens": 5, "forced_tokens": 6, "spec_proposed": 7, "spec_accepted": 8,
+                           "spec_rejected": 9}
     assert [s.finished for s in RequestStatus] == [False, False, False, True, True, True, True]
     assert [s.value for s in RequestStatus] == ["waiting", "running", "preempted", "stop", "length", "abort", "error"]
 

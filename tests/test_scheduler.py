@@ -6,11 +6,15 @@ clock and a fake model whose next token depends only on the tokens so far, so a 
 output is the same whatever the batch, chunking or preemption. The "runner" writes each
 computed position's prefix into the slot its block table names, so a test can check that
 every computed position of every running request reads back KV of its own prefix.
+With `drafts` the Sim speculates too: each decoding request gets up to gamma draft tokens,
+a random number of them right (the fake model's own continuation) and the rest wrong; the
+verify step keeps the right ones, emits the next token, and commits the kept drafts.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -23,7 +27,7 @@ from twospeed.engine.cost_model import LinearCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager, hash_block_tokens
 from twospeed.engine.request import Request, RequestStatus
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.engine.scheduler import Scheduler, SchedulerOutput
+from twospeed.engine.scheduler import Scheduler, SchedulerOutput, in_decode
 from twospeed.engine.stop import finish_if_stopped
 
 
@@ -46,7 +50,8 @@ class FakeCost:
 
 
 class Sim:
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, cost_model=None, **sched):
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True, cost_model=None,
+                 drafts: random.Random | None = None, gamma: int = 3, **sched):
         self.t = 0.0
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, caching)
@@ -55,8 +60,11 @@ class Sim:
         self.sched = Scheduler(self.cfg, self.kv, clock=lambda: self.t, cost_model=cost_model)
         self.slots: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
         self.outputs: list[SchedulerOutput] = []
-        self.computed: Counter[str] = Counter()  # tokens computed per request, over all incarnations
+        self.computed: Counter[str] = Counter()  # known tokens computed per request, over all incarnations
+        self.kept: Counter[str] = Counter()  # draft tokens kept per request (computed in verify chunks)
         self.reqs: dict[str, Request] = {}
+        self.drafts, self.gamma = drafts, gamma
+        self.real_hashes: set = set()  # every block hash of a real (prompt + kept output) token sequence
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, priority: int = 0) -> Request:
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=self.t,
@@ -65,19 +73,37 @@ class Sim:
         self.reqs[rid] = req
         return req
 
+    def propose(self) -> None:
+        """Draft tokens for every decoding request: a random count, a random number of them right."""
+        for r in self.sched.running:
+            r.spec_token_ids = []
+            room = min((self.cfg.max_model_len or 10**9) - r.num_tokens, r.max_output_tokens - len(r.output_token_ids) - 1)
+            if not in_decode(r) or room <= 0:
+                continue
+            k = self.drafts.randint(0, min(self.gamma, room))
+            right = self.drafts.randint(0, k)
+            seq = list(r.all_token_ids)
+            for i in range(k):
+                token = fake_token(seq)
+                seq.append(token if i < right else 3 + (token - 3 + 1 + self.drafts.randrange(49)) % 50)
+            r.spec_token_ids = seq[r.num_tokens:]
+
     def step(self) -> SchedulerOutput:
         """Step k schedules at time k and finishes (update, sample, stamp) at k + 0.5."""
         self.t = math.floor(self.t) + 1.0
+        if self.drafts is not None:
+            self.propose()
         out = self.sched.schedule()
-        for c in out.chunks:  # the runner: write the KV of positions [start, start + n)
+        for c in out.chunks:  # the runner: write the KV of positions [start, start + n), drafts included
             r = c.request
+            seq = r.all_token_ids + r.spec_token_ids[:c.num_draft]
             table = self.kv.block_ids(r.request_id)
             assert len(table) * self.bs >= c.start + c.num_tokens, f"{r} table too short for {c}"
             for p in range(c.start, c.start + c.num_tokens):
                 block = self.kv.pool.blocks[table[p // self.bs]]
                 assert block.ref_cnt == 1, f"{r} writes position {p} into shared block {block.block_id}"
-                self.slots[block.block_id][p % self.bs] = tuple(r.all_token_ids[: p + 1])
-            self.computed[r.request_id] += c.num_tokens
+                self.slots[block.block_id][p % self.bs] = tuple(seq[: p + 1])
+            self.computed[r.request_id] += c.num_tokens - c.num_draft
         cap = self.cfg.max_prefill_tokens_while_decoding
         if cap is not None and self.cfg.enable_chunked_prefill and out.num_decode_tokens:
             assert out.num_prefill_tokens <= cap, f"{out.num_prefill_tokens} prefill tokens beside decodes"
@@ -87,10 +113,38 @@ class Sim:
         for c in out.chunks:
             r = c.request
             if c.samples:
-                r.append_token(fake_token(r.all_token_ids), self.t)
-                finish_if_stopped(self.sched, r, r.output_token_ids[-1:])
+                self.sample(r, r.spec_token_ids[:c.num_draft])
+            self.note_real(r.all_token_ids)
+        for r in self.sched.running:
+            r.spec_token_ids = []
         self.outputs.append(out)
         return out
+
+    def sample(self, r: Request, draft: list[int]) -> None:
+        """The verify step of the fake model: drafts kept while they are its own next token, then one token more;
+        each appended through the length check; the kept drafts committed."""
+        emitted = []
+        for d in draft + [None]:
+            token = fake_token(r.all_token_ids + emitted)
+            emitted.append(token)
+            if token != d:
+                break
+        appended, stop = 0, None
+        for token in emitted:  # one at a time through the engine's stop policy
+            r.append_token(token, self.t)
+            appended += 1
+            if (stop := finish_if_stopped(self.sched, r, [token])) is not None:
+                break
+        kept = max(0, min(appended - 1, len(draft)))
+        self.kept[r.request_id] += kept
+        if stop is None:
+            self.sched.commit_drafts(r, kept)
+
+    def note_real(self, tokens: list[int]) -> None:
+        parent = None
+        for i in range(len(tokens) // self.bs):
+            parent = hash_block_tokens(parent, tokens[i * self.bs:(i + 1) * self.bs])
+            self.real_hashes.add(parent)
 
     def check_step_time(self, out: SchedulerOutput) -> None:
         """With decodes in the step and a target, the predicted step time is within the tightest decoding request's
@@ -770,14 +824,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt_share=st.sampled_from([0.0, 0.5, 0.9]),
         # a fixed cost profile (ms per step, per prompt token, per pair, per decode, per context token, per row)
         cost=st.one_of(st.none(), st.tuples(*(st.floats(0, hi) for hi in (5, 2, 0.05, 2, 0.1, 1)))),
+        drafts=st.one_of(st.none(), st.integers(0, 2**16)),  # speculation's random drafts (and accept counts)
+        gamma=st.integers(1, 4),
     )
     def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap, target_ms,
-              share, prompt_share, cost):
+              share, prompt_share, cost, drafts, gamma):
         max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
         if not chunked:
             budget = max(budget, max_len)  # as LLMEngine does
         model = None if cost is None else LinearCostModel([c / 1e3 for c in cost], online=False)
-        self.sim = Sim(num_blocks, block_size, caching, cost_model=model, max_num_batched_tokens=budget,
+        self.sim = Sim(num_blocks, block_size, caching, cost_model=model,
+                       drafts=None if drafts is None else random.Random(drafts), gamma=gamma,
+                       max_num_batched_tokens=budget,
                        max_num_seqs=max_num_seqs, max_model_len=max_len, enable_chunked_prefill=chunked,
                        scheduling_policy=policy, max_prefill_tokens_while_decoding=cap, target_step_ms=target_ms,
                        itl_objective_share=share, min_prompt_share=prompt_share)
@@ -854,6 +912,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(free) == len(set(free))
         assert not any(pool.blocks[i].ref_cnt for i in free), "a referenced block is in the free queue"
         assert kv.num_free_blocks + len(refs) == kv.num_blocks, "leaked block"
+        # no unverified token in the prefix cache: every cached block names a block of real tokens
+        assert set(pool.cached_blocks) <= self.sim.real_hashes, "a block is cached under a draft token"
         self.clean = True
 
     @invariant()
@@ -916,15 +976,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
             assert r.bill.output_tokens == r.max_output_tokens
             assert r.clock.first_scheduled <= r.clock.prefill_done <= r.clock.first_token <= r.clock.finished
-            assert r.clock.decode_steps >= r.max_output_tokens - 1 - r.num_preemptions
+            kept = sim.kept[rid]  # each kept draft is an output token without a decode step of its own
+            assert r.clock.decode_steps + kept >= r.max_output_tokens - 1 - r.num_preemptions
             if r.num_preemptions == 0:
                 assert r.bill.recomputed_tokens == 0
-                assert sim.computed[rid] == r.bill.prefilled_tokens + r.bill.output_tokens - 1
-                assert r.clock.decode_steps == r.max_output_tokens - 1
+                assert sim.computed[rid] + kept == r.bill.prefilled_tokens + r.bill.output_tokens - 1
+                assert r.clock.decode_steps + kept == r.max_output_tokens - 1
             else:
-                # every computation is billed exactly once: first prefill, recompute, or decode
+                # every computation is billed exactly once: first prefill, recompute, or decode (or a kept draft)
                 billed = r.bill.prefilled_tokens + r.bill.recomputed_tokens + r.bill.output_tokens - 1
-                assert sim.computed[rid] == billed
+                assert sim.computed[rid] + kept == billed
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
@@ -948,3 +1009,58 @@ def test_random_workload_many_preemptions():
     for r in sim.reqs.values():
         assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)
         assert (r.bill.recomputed_tokens > 0) <= (r.num_preemptions > 0)
+
+
+def test_drafts_get_slots_and_a_reject_rolls_back_by_counter():
+    """One stream with two drafts, the first right, the second wrong: the verify chunk covers both drafts' slots,
+    the right one becomes a computed token, the wrong one is never counted and its slot is simply reused."""
+    sim = Sim(8, 4, max_num_batched_tokens=16)
+    r = sim.add("a", [3, 4, 5], 8)
+    sim.step()  # the prompt, and its first token
+    seq = list(r.all_token_ids)
+    right = fake_token(seq)
+    r.spec_token_ids = [right, 3 + (fake_token(seq + [right]) - 3 + 1) % 50]
+    out = sim.sched.schedule()
+    (c,) = out.chunks
+    assert (c.start, c.num_tokens, c.num_draft, c.samples, c.num_logits) == (3, 3, 2, True, 3)
+    assert out.num_decode_tokens == 1 and out.num_draft_tokens == 2
+    assert len(sim.kv.block_ids("a")) == 2  # positions 0..5: the drafts' slots reserved
+    sim.sched.update_after_step(out, 1.0)
+    assert r.num_computed_tokens == 4 and r.high_water == 4  # the drafts wait for commit_drafts
+    sim.sample(r, r.spec_token_ids)
+    assert r.output_token_ids[1:] == [right, fake_token(seq + [right])]
+    assert r.num_computed_tokens == 5 and r.high_water == 5 and r.num_tokens == 6  # the wrong draft: not counted
+    assert len(sim.kv.block_ids("a")) == 2  # nothing freed
+    r.spec_token_ids = []
+
+
+def test_drafts_beyond_the_budget_or_the_pool_are_cut_not_preempting():
+    sim = Sim(2, 4, max_num_batched_tokens=3)
+    r = sim.add("a", [3, 4, 5, 6, 7], 3)  # 5 prompt tokens: 2 blocks hold 8 positions
+    while r.num_computed_tokens < 5:
+        sim.step()
+    r.spec_token_ids = [9, 9, 9, 9]
+    out = sim.sched.schedule()
+    (c,) = out.chunks
+    assert c.num_draft == 2 and c.num_tokens == 3 and not out.preempted  # the budget of 3 tokens cut two drafts
+    sim.sched.update_after_step(out, 1.0)
+    r.spec_token_ids = []
+
+
+def test_random_workload_with_drafts_and_preemptions():
+    """Drafts with random accept counts on a 10-block pool: drafts kept and rejected, preemptions, every request
+    finishes with the fake model's own tokens, nothing leaks, nothing unverified is cached."""
+    rng = random.Random(1)
+    sim = Sim(10, 2, max_num_batched_tokens=8, max_num_seqs=4, drafts=random.Random(2), gamma=3)
+    shared = [rng.randrange(3, 7) for _ in range(8)]
+    for i in range(12):
+        prompt = shared[: rng.randrange(0, 9)] + [rng.randrange(3, 7) for _ in range(rng.randrange(1, 5))]
+        sim.add(f"r{i}", prompt, rng.randrange(1, 20 - len(prompt)))
+    sim.run(2000)
+    drafted = sum(c.num_draft for out in sim.outputs for c in out.chunks)
+    kept = sum(sim.kept.values())
+    assert sim.sched.num_preemptions > 0 and 0 < kept < drafted
+    assert sim.kv.num_free_blocks == 10
+    assert set(sim.kv.pool.cached_blocks) <= sim.real_hashes
+    for r in sim.reqs.values():
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_output_tokens)

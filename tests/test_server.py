@@ -221,7 +221,7 @@ def test_usage_cached_tokens_and_twospeed_object(server):
     ts = second.json()["twospeed"]
     assert ts["bill"] == {"prompt_tokens": u2["prompt_tokens"], "cached_tokens": cached,
                           "prefilled_tokens": u2["prompt_tokens"] - cached, "output_tokens": 4, "recomputed_tokens": 0,
-                          "forced_tokens": 0}
+                          "forced_tokens": 0, "spec_proposed": 0, "spec_accepted": 0, "spec_rejected": 0}
     clock = ts["clock"]
     # The clock's own identities, and it fits inside what the client saw (nothing else was running).
     assert clock["prefill_ms"] > 0 and clock["ttft_ms"] >= clock["queue_ms"] + clock["prefill_ms"] - 1e-3
@@ -458,7 +458,10 @@ METRIC_NAMES = {  # the names README lists, and nothing else
     "twospeed_step_time_seconds": "histogram", "twospeed_step_time_prediction_error": "histogram",
     "twospeed_step_prefill_budget_tokens": "histogram", "twospeed_step_target_seconds": "gauge",
     "twospeed_kv_cache_block_size_tokens": "gauge", "twospeed_kv_cache_bytes_per_token": "gauge",
-    "twospeed_model_weight_bytes": "gauge", "twospeed_model_formats": "gauge"}
+    "twospeed_model_weight_bytes": "gauge", "twospeed_model_formats": "gauge",
+    "twospeed_spec_draft_tokens_total": "counter", "twospeed_spec_accepted_tokens_total": "counter",
+    "twospeed_spec_verify_steps_total": "counter", "twospeed_spec_accepted_tokens_per_position_total": "counter",
+    "twospeed_spec_fallbacks_total": "counter"}
 
 
 def test_metric_names_types_and_labels(server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -11,10 +12,10 @@ import sys
 import time
 import typing
 
-from twospeed.config import CacheConfig, EngineConfig, SchedulerConfig
+from twospeed.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, flat_fields
 
-_ENGINE_AREAS = (EngineConfig, CacheConfig, SchedulerConfig)
-_SKIP = {"model", "cache", "scheduler"}
+_ENGINE_AREAS = (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)
+_SKIP = {"model", "cache", "scheduler", "spec"}
 
 
 def _bool(text: str) -> bool:
@@ -26,22 +27,25 @@ def _bool(text: str) -> bool:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, ...)."""
+    """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
     parser.add_argument("--model", default="demo", help="checkpoint folder (HF layout) or 'demo'")
     for klass in _ENGINE_AREAS:
         hints = typing.get_type_hints(klass)
-        for f in dataclasses.fields(klass):
-            if f.name in _SKIP:
+        for flat, name in flat_fields(klass).items():
+            if name in _SKIP:
                 continue
-            hint = hints[f.name]
+            hint = hints[name]
             base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
             kind = _bool if base is bool else base if base in (int, float) else str
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                                help=f"{klass.__name__}.{f.name}")
+            parser.add_argument(f"--{flat.replace('_', '-')}", dest=flat, type=kind, default=None,
+                                help=f"{klass.__name__}.{name}")
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help='SpecConfig as JSON, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for k in _ENGINE_AREAS for f in dataclasses.fields(k)} - _SKIP
+    names = {flat for k in _ENGINE_AREAS for flat, name in flat_fields(k).items() if name not in _SKIP}
+    names.add("speculative_config")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

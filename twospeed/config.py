@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -164,6 +164,55 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the target checks them in one pass (engine/spec.py).
+
+    Greedy output is token-identical with and without it, sampled output keeps the target's distribution (and a
+    seeded request its tokens); what changes is how many tokens a decode step yields. With `auto_fallback` each
+    request (and each lane) stops proposing where its measured acceptance does not pay for the verify rows.
+    """
+
+    # Flat names (LLM keyword arguments, CLI flags) of the fields whose own name would be ambiguous there.
+    FLAT: ClassVar[dict[str, str]] = {"method": "spec_method", "auto_fallback": "spec_auto_fallback",
+                                      "reprobe_steps": "spec_reprobe_steps"}
+
+    method: Literal["none", "ngram", "draft"] = "none"  # none | ngram (prompt lookup) | draft (a smaller model)
+    num_speculative_tokens: int = 4  # draft tokens per request per step at most (gamma); fallback may use fewer
+    prompt_lookup_max: int = 4  # ngram: the longest suffix (tokens) matched against the prompt and output so far
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix tried before proposing nothing
+    draft_model: str | None = None  # draft: checkpoint folder (same tokenizer as the target) or "demo-draft"
+    # Per request and per lane: stop proposing where the expected gain E(alpha, gamma) / (gamma c + 1) of the
+    # measured acceptance alpha and cost ratio c falls below 1, and re-probe later; gamma adapts. False: always
+    # propose num_speculative_tokens.
+    auto_fallback: bool = True
+    reprobe_steps: int = 32  # decode steps a request waits after a fallback before it probes again (x2 per repeat)
+    draft_prefill_tokens: int = 512  # draft: tokens per step the draft model may catch up on (prompts), all requests
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "ngram", "draft"):
+            raise ValueError(f"spec method must be 'none', 'ngram' or 'draft', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("spec method 'draft' needs draft_model (a checkpoint folder or 'demo-draft')")
+        if self.reprobe_steps < 1 or self.draft_prefill_tokens < 1:
+            raise ValueError("reprobe_steps and draft_prefill_tokens must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def flat_fields(klass: type) -> dict[str, str]:
+    """{flat keyword: field name} of a config area (CLI flags and LLM keyword arguments use the flat names)."""
+    alias = getattr(klass, "FLAT", {})
+    return {alias.get(f.name, f.name): f.name for f in dataclasses.fields(klass)}
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
@@ -186,6 +235,7 @@ class EngineConfig:
     adapt_threads: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -200,17 +250,26 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
-        """Route flat keyword arguments (as vLLM's LLM takes them) to the per-area configs."""
-        parts: dict[str, dict] = {"cache": {}, "scheduler": {}, "engine": {}}
-        areas = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        """Route flat keyword arguments (as vLLM's LLM takes them) to the per-area configs; speculative_config (a
+        dict of SpecConfig fields, vLLM's form) is accepted beside the flat spec_method, num_speculative_tokens..."""
+        areas = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+        parts: dict[str, dict] = {area: {} for area in (*areas, "engine")}
+        spec = kwargs.pop("speculative_config", None)
+        if isinstance(spec, SpecConfig):
+            spec = {f.name: getattr(spec, f.name) for f in dataclasses.fields(SpecConfig)}
+        if spec is not None:
+            if not isinstance(spec, dict) or set(spec) - {f.name for f in dataclasses.fields(SpecConfig)}:
+                raise TypeError(f"speculative_config takes SpecConfig's fields, got {spec!r}")
+            parts["spec"].update(spec)
         for key, value in kwargs.items():
             for area, klass in areas.items():
-                if key in {f.name for f in dataclasses.fields(klass)}:
-                    parts[area][key] = value
+                names = flat_fields(klass)
+                if key in names:
+                    parts[area][names[key]] = value
                     break
             else:
                 if key not in {f.name for f in dataclasses.fields(cls)} or key in areas:
                     raise TypeError(f"unknown engine option {key!r}")
                 parts["engine"][key] = value
-        return cls(model=model, cache=CacheConfig(**parts["cache"]),
-                   scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])
+        return cls(model=model, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
+                   spec=SpecConfig(**parts["spec"]), **parts["engine"])

@@ -80,6 +80,10 @@ def gguf_path(dtype: str) -> Path:
     return MODELS / f"llama100m-{GGUF_TYPES[dtype]}.gguf"
 
 
+def served_name(dtype: str, model: Path | None = None) -> str:
+    return model.name if model is not None else f"llama100m-{dtype}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,19 +119,23 @@ def llama_command(binary: Path, gguf: Path, name: str, port: int, settings: Sett
             "--no-webui", "--seed", "0", *s.llama_args]
 
 
-def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTINGS) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start `engine` serving the `dtype` checkpoint."""
+def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTINGS,
+                model: Path | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start `engine` serving the `dtype` checkpoint (or the HF
+    checkpoint folder `model`, served under its folder name; twospeed and vLLM only)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if model is not None and engine == "llama":
+        raise ValueError("llama.cpp serves the peers' GGUF only; a model folder is for twospeed and vllm")
     s = settings
-    name = f"llama100m-{dtype}"
+    name = served_name(dtype, model)
     env = {} if engine == "vllm" else {"OMP_NUM_THREADS": str(s.threads)}  # vLLM binds its own OMP threads
     if engine == "twospeed":
-        folder = model_dir(dtype)
+        folder = model or model_dir(dtype)
         cmd = twospeed_command(folder, name, port, s)
     elif engine == "vllm":
         venv = WORK / "venv-vllm"
-        folder = model_dir(dtype)
+        folder = model or model_dir(dtype)
         cmd = [str(venv / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", DTYPES[dtype], "--max-model-len", str(s.max_model_len),
@@ -195,11 +203,12 @@ def stop(server: Server, grace_s: float = SETTINGS.stop_grace_s) -> None:
 
 
 @contextlib.contextmanager
-def serve(engine: str, dtype: str, settings: Settings = SETTINGS, port: int | None = None) -> Iterator[Server]:
+def serve(engine: str, dtype: str, settings: Settings = SETTINGS, port: int | None = None,
+          model: Path | None = None) -> Iterator[Server]:
     """Start `engine` on loopback, wait until it is ready, yield it, always stop it."""
     port = port or free_port()
-    cmd, extra_env = command_for(engine, dtype, port, settings)
-    with launch(engine, dtype, cmd, extra_env, port, f"llama100m-{dtype}", settings) as server:
+    cmd, extra_env = command_for(engine, dtype, port, settings, model)
+    with launch(engine, dtype, cmd, extra_env, port, served_name(dtype, model), settings) as server:
         yield server
 
 

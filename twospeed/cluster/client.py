@@ -129,7 +129,7 @@ class ClusterEngine:
             check_params(spec.params, model.limits, group.priority)
         group.unfinished = {s.request_id for s in group.specs}
         routed = RoutedGroup(group.lane, group.priority, self.base.to_unix(group.arrival_time), group.specs,
-                             group.itl_target)
+                             group.itl_target, group.speculate)
         prompt = group.specs[0].prompt_token_ids
         tried: set[int] = set()
         while True:

@@ -59,7 +59,7 @@ class EngineReplica:
     async def generate(self, routed: RoutedGroup):
         now, route_time = time.monotonic(), max(0.0, time.time() - routed.arrival_unix)
         group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, itl_target=routed.itl_target,
-                             routed_time=now)
+                             speculate=routed.speculate, routed_time=now)
         state = self.state
         try:
             if state.draining:

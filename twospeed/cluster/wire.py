@@ -3,8 +3,8 @@
 The ingress sends a RoutedGroup (the prepared sequences, the lane, the arrival); the replica answers with a
 stream of messages: first Admitted (or Refused, the engine's ValueError with its field), then Batches of Deltas
 (the StreamItems its AsyncEngine produced, each with the load it is under). A Delta carries only what is new:
-the step's token ids, text, emission times and logprobs, and at the end the clock, the bill and the SLO verdict
-(the whole clock and bill once, not per token). The ingress's Assembler turns Deltas back into the StreamItems
+the step's token ids, text, emission times and logprobs, and at the end the clock, the bill, the SLO verdict and
+speculation's trace (each whole once, not per token). The ingress's Assembler turns Deltas back into the StreamItems
 the routes read, with whole RequestOutputs as the local engine gives them.
 
 Times cross as Unix seconds: each side converts from and to its own time.monotonic() (the replica may be on
@@ -21,7 +21,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from twospeed.engine.request import Bill, Clock, Logprob, RequestOutput
+from twospeed.engine.request import Bill, Clock, Logprob, RequestOutput, SpecTrace
 from twospeed.server.async_engine import EngineError, SequenceSpec, ShutdownError, StreamItem
 from twospeed.server.slo import Verdict
 
@@ -66,6 +66,7 @@ class RoutedGroup:
     arrival_unix: float  # arrival at the ingress
     specs: list[SequenceSpec]
     itl_target: float | None = None  # seconds: the lane's tightest ITL objective (the scheduler sizes steps to it)
+    speculate: bool | None = None  # the lane's speculation policy (False: the lane does not speculate)
 
 
 @dataclass(slots=True)
@@ -103,6 +104,7 @@ class Delta:
     ends_group: bool = False  # the replica closed the whole group (its shutdown)
     clock: Clock | None = None  # at the end: the whole clock, stamps in Unix s
     bill: Bill | None = None  # at the end
+    spec: SpecTrace | None = None  # at the end: speculation's acceptance trace (None: the replica does not speculate)
     verdict: Verdict | None = None  # at the end
 
 
@@ -140,6 +142,7 @@ class Encoder:
         d.num_preemptions = out.num_preemptions
         if out.finished:
             d.clock, d.bill, d.verdict = shift_clock(out.clock, self.base.offset), out.bill, item.verdict
+            d.spec = out.spec
             self._text.pop(rid, None)
             self._logprobs.pop(rid, None)
         return d
@@ -155,6 +158,7 @@ class _Sequence:
         self.logprobs: list[Logprob] | None = [] if spec.params.logprobs is not None else None
         self.clock = Clock(arrival=arrival)  # until the replica's whole clock arrives with the last delta
         self.bill = Bill(prompt_tokens=len(spec.prompt_token_ids))
+        self.trace: SpecTrace | None = None  # speculation's trace from the replica, with the last delta
 
 
 class Assembler:
@@ -178,7 +182,7 @@ class Assembler:
             seq.logprobs += d.new_logprobs
         if d.clock is not None:
             seq.clock = shift_clock(d.clock, -self.base.offset)
-            seq.bill = d.bill
+            seq.bill, seq.trace = d.bill, d.spec
         else:
             if times and seq.clock.first_token is None:
                 seq.clock.first_token = times[0]
@@ -188,7 +192,7 @@ class Assembler:
             token_ids=list(seq.token_ids), text=seq.text, new_token_ids=d.new_token_ids, new_text=d.new_text,
             finished=d.finished, finish_reason=d.finish_reason, stop_reason=d.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, clock=seq.clock, bill=seq.bill,
-            num_preemptions=d.num_preemptions, error=d.error if not d.shutdown else None)
+            num_preemptions=d.num_preemptions, error=d.error if not d.shutdown else None, spec=seq.trace)
         return StreamItem(d.request_id, d.index, out, times, d.verdict, error)
 
     def output_tokens(self, request_id: str) -> list[int]:

@@ -49,39 +49,59 @@ class StepShape:
     prefill_attention: int = 0  # (query, key) pairs those rows attend: n * start + n (n + 1) / 2 per chunk
     decode_tokens: int = 0  # decode rows: one per stream (more where a grammar forced tokens)
     decode_context: int = 0  # the context those rows read, summed
-    sampled: int = 0  # rows through the vocabulary matmul and the sampler
+    sampled: int = 0  # rows through the vocabulary matmul and the sampler (a verify chunk: 1 + its drafts)
+    # Speculation's verify rows beyond a stream's decode row: its draft tokens. They ride on the context the decode
+    # row reads, as a short prompt chunk does (more query rows over the same keys), so the model prices them with
+    # the prompt features; they are kept apart here so a step's plain-decode twin can be priced too.
+    draft_tokens: int = 0
+    draft_attention: int = 0  # (query, key) pairs the draft rows attend
 
-    def with_chunk(self, start: int, num_tokens: int, is_decode: bool, samples: bool) -> StepShape:
-        """This shape plus one chunk: tokens [start, start + num_tokens) of a request, each attending its prefix."""
-        pairs = num_tokens * start + num_tokens * (num_tokens + 1) // 2
+    def with_chunk(self, start: int, num_tokens: int, is_decode: bool, samples: bool | int,
+                   num_draft: int = 0) -> StepShape:
+        """This shape plus one chunk: tokens [start, start + num_tokens) of a request, each attending its prefix; the
+        last num_draft of them draft tokens (then the chunk samples 1 + num_draft rows)."""
+        n = num_tokens - num_draft
+        pairs = n * start + n * (n + 1) // 2
+        rows = int(samples) + (num_draft if samples else 0)
+        d_pairs = num_draft * (start + n) + num_draft * (num_draft + 1) // 2
         if is_decode:
-            return StepShape(self.prefill_tokens, self.prefill_attention, self.decode_tokens + num_tokens,
-                             self.decode_context + pairs, self.sampled + samples)
-        return StepShape(self.prefill_tokens + num_tokens, self.prefill_attention + pairs, self.decode_tokens,
-                         self.decode_context, self.sampled + samples)
+            return StepShape(self.prefill_tokens, self.prefill_attention, self.decode_tokens + n,
+                             self.decode_context + pairs, self.sampled + rows, self.draft_tokens + num_draft,
+                             self.draft_attention + d_pairs)
+        return StepShape(self.prefill_tokens + n, self.prefill_attention + pairs, self.decode_tokens,
+                         self.decode_context, self.sampled + rows, self.draft_tokens + num_draft,
+                         self.draft_attention + d_pairs)
 
     @classmethod
     def from_chunks(cls, chunks: Iterable) -> StepShape:
-        """From the scheduler's chunks (anything with start, num_tokens, is_decode and samples)."""
-        counts = [0, 0, 0, 0, 0]
+        """From the scheduler's chunks (anything with start, num_tokens, is_decode and samples; num_draft if any)."""
+        counts = [0, 0, 0, 0, 0, 0, 0]
         for c in chunks:
-            n = c.num_tokens
+            d = getattr(c, "num_draft", 0)
+            n = c.num_tokens - d
             i = 2 if c.is_decode else 0
             counts[i] += n
             counts[i + 1] += n * c.start + n * (n + 1) // 2
-            counts[4] += c.samples
+            counts[4] += c.samples + (d if c.samples else 0)
+            counts[5] += d
+            counts[6] += d * (c.start + n) + d * (d + 1) // 2
         return cls(*counts)
+
+    def without_drafts(self) -> StepShape:
+        """The same step with every stream decoding plainly: no draft rows (what the step costs without speculation)."""
+        return StepShape(self.prefill_tokens, self.prefill_attention, self.decode_tokens, self.decode_context,
+                         self.sampled - self.draft_tokens)
 
     @property
     def num_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens
+        return self.prefill_tokens + self.decode_tokens + self.draft_tokens
 
     def features(self) -> tuple[float, ...]:
         """The model's inputs, in FEATURES order; an empty step has none."""
         if not self.num_tokens:
             return (0.0,) * _N
-        return (1.0, float(self.prefill_tokens), float(self.prefill_attention), float(self.decode_tokens),
-                float(self.decode_context), float(self.sampled))
+        return (1.0, float(self.prefill_tokens + self.draft_tokens), float(self.prefill_attention + self.draft_attention),
+                float(self.decode_tokens), float(self.decode_context), float(self.sampled))
 
 
 class StepCostModel(Protocol):
@@ -126,7 +146,8 @@ class LinearCostModel:
         if not shape.num_tokens:
             return 0.0
         c = self._coef_list
-        return max(0.0, c[0] + c[1] * shape.prefill_tokens + c[2] * shape.prefill_attention
+        return max(0.0, c[0] + c[1] * (shape.prefill_tokens + shape.draft_tokens)
+                   + c[2] * (shape.prefill_attention + shape.draft_attention)
                    + c[3] * shape.decode_tokens + c[4] * shape.decode_context + c[5] * shape.sampled)
 
     def observe(self, shape: StepShape, seconds: float) -> None:

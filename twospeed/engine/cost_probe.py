@@ -53,16 +53,17 @@ def probe(runner, kv: KVCacheManager, sampler, model: LinearCostModel, max_len: 
         return 0
     ids = iter(range(10 ** 9))
     made: list[str] = []
+    vocab = runner.model.cfg.vocab_size  # the probe's token ids stay inside it (a test model may have 5 tokens)
 
     def request(ctx: int, extra: int, decoding: bool) -> Request:
         rid = f"cost-probe-{next(ids)}"
-        req = Request(rid, [3 + i % 97 for i in range(ctx + extra)], SamplingParams(max_tokens=1),
+        req = Request(rid, [(3 + i % 97) % vocab for i in range(ctx + extra)], SamplingParams(max_tokens=1),
                       max_output_tokens=1)
         if not kv.allocate_slots(rid, ctx + extra + 1):
             raise _PoolFull
         made.append(rid)
         if decoding:  # its prompt is "computed" (the KV read is whatever the blocks hold) and one token sampled
-            req.append_token(5, 0.0)
+            req.append_token(5 % vocab, 0.0)
             req.num_computed_tokens = req.high_water = req.num_tokens - 1
         return req
 

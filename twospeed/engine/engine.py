@@ -14,6 +14,13 @@ names the exception), the others get their tokens as if nothing happened.
 The step cost model (`cost_model`, seeded at start-up by engine/cost_probe.py)
 learns each step's measured time, so the scheduler's time-sized prompt share
 follows this machine.
+
+Speculative decoding (EngineConfig.spec, engine/spec.py) adds one thing before
+the schedule: each decoding request the policy lets speculate gets draft tokens,
+which its decode chunk carries as verify rows. The sampler returns every
+request's emitted tokens (the drafts it kept, then one more); they are appended
+one at a time through the same stop checks, the kept drafts' KV is committed
+by counter, and the verify step is booked in the request's trace and bill.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from twospeed.engine.runner import ModelRunner, kv_bytes_per_token, num_blocks_f
 from twospeed.engine.sampler import Sampler
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
-from twospeed.engine.stop import finish_if_stopped
+from twospeed.engine.spec import make_speculator
+from twospeed.engine.stop import Stop, check_stop
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
@@ -64,6 +72,9 @@ class StepStats:
     prefill_budget: int = 0  # prompt tokens the step allowed (scheduler.SchedulerOutput.prefill_budget)
     time_bound: bool = False  # the target, not the token budget, set the prompt share
     num_threads: int = 1  # CPU threads the step ran with (engine/threads.py)
+    num_draft_tokens: int = 0  # speculation: draft tokens verified in the step (beside num_decode_tokens)
+    num_accepted_tokens: int = 0  # of those, kept as output tokens
+    propose_time: float = 0.0  # seconds the proposer took (part of step_time)
 
 
 @dataclass(slots=True)
@@ -81,12 +92,16 @@ class EngineMemory:
 
 
 def resolve_model_path(model: str) -> Path:
+    """A checkpoint folder, or the built-in demo (`demo`) or its draft (`demo-draft`), built on first use."""
     if model == "demo":
         from twospeed.model.demo import demo_checkpoint_path
         return demo_checkpoint_path()
+    if model == "demo-draft":
+        from twospeed.model.demo import draft_checkpoint_path
+        return draft_checkpoint_path()
     path = Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo')")
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo' or 'demo-draft')")
     return path
 
 
@@ -133,6 +148,10 @@ class LLMEngine:
         if config.cost_probe:
             probe(self.runner, self.kv, self.sampler, self.cost_model, max_len)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cost_model=self.cost_model)
+        self.speculator = make_speculator(
+            config.spec, target_vocab=self.model_config.vocab_size, max_model_len=max_len, dtype=self.dtype,
+            device=self.device, num_blocks=self.num_blocks, block_size=cache.block_size,
+            linear_backend=config.linear_backend, attention_backend=config.attention_backend)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
@@ -152,9 +171,11 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0, itl_target: float | None = None) -> Request:
+                    arrival_time: float | None = None, priority: int = 0, itl_target: float | None = None,
+                    lane: str = "default", speculate: bool | None = None) -> Request:
         """Validate and queue a request; raises ValueError before anything is allocated if it can never run.
-        itl_target: seconds, the tightest ITL objective of its lane (Request.itl_target; the server sets it)."""
+        itl_target: seconds, the tightest ITL objective of its lane (Request.itl_target; the server sets it).
+        lane: the server's lane (speculation's per-lane estimates); speculate: the lane's policy (False: off)."""
         if itl_target is not None and not itl_target > 0:
             raise ValueError(f"itl_target must be a positive number of seconds (or None), got {itl_target}")
         params = params or SamplingParams()
@@ -173,9 +194,12 @@ class LLMEngine:
         grammar = self._grammar_state(params) if params.structured is not None else None
         req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,
                       eos_token_ids=self.eos_token_ids,
-                      max_output_tokens=min(params.max_tokens or room, room))
+                      max_output_tokens=min(params.max_tokens or room, room), lane=lane)
         req.grammar = grammar
         req.itl_target = itl_target
+        if self.speculator is not None:
+            self.speculator.start(req, "opted_out" if params.speculate is False else
+                                  "lane_policy" if speculate is False else None)
         if params.seed is not None:
             req.generator = self.sampler.make_generator(params.seed)
         if self.tokenizer is not None:
@@ -218,9 +242,13 @@ class LLMEngine:
         start = time.monotonic()
         if self.threads is not None:
             self.threads.tick()
+        propose_time = 0.0
+        if self.speculator is not None:
+            propose_time = self.speculator.propose(self.scheduler.running, self.scheduler.requests.get)
         out = self.scheduler.schedule()
         touched: list[Request] = []
         errored: list[Request] = []
+        accepted = 0
         if out.chunks:
             logits, sampling, failed = execute_isolating(lambda chunks: self.runner.execute(chunks, self.kv),
                                                          out.chunks)
@@ -229,19 +257,29 @@ class LLMEngine:
             out.chunks = [c for c in out.chunks if not c.request.is_finished]
             self.scheduler.update_after_step(out, time.monotonic())
             requests = [c.request for c in sampling]
+            drafts = [c.request.spec_token_ids[:c.num_draft] for c in sampling]
             tokens, logprobs = [], []
             if requests:
-                tokens, logprobs, failed = sample_isolating(self.sampler, self.sampler.generator, logits, requests)
+                tokens, logprobs, failed = sample_isolating(self._sample, self.sampler.generator, logits, requests,
+                                                            drafts)
                 errored += self._fail_all(failed, "sampling")
+            extra = (self.speculator.cost_ratio(out.shape, self.cost_model)
+                     if self.speculator is not None and out.num_draft_tokens else 0.0)
             now = time.monotonic()
-            for req, token, lp in zip(requests, tokens, logprobs):
+            for req, draft, emitted, lps in zip(requests, drafts, tokens, logprobs):
                 touched.append(req)
                 if req.is_finished:  # failed while sampling
                     continue
                 try:
-                    self._update(req, token, lp, now)
+                    kept = self._update(req, emitted, lps, now, len(draft))
                 except Exception as e:  # a detokenizer or grammar bug: this request's alone
                     errored += self._fail_all({req: e}, "updating it")
+                    continue
+                if draft:
+                    accepted += kept
+                    self.speculator.record(req, len(draft), len(emitted) - 1, kept, extra)
+        for req in self.scheduler.running:
+            req.spec_token_ids = []  # drafts live for one step
         outputs = []
         for req in touched:
             try:
@@ -252,7 +290,7 @@ class LLMEngine:
         self.num_step_failures += bool(errored)
         end = time.monotonic()
         if not errored:  # a failed step's time went into isolating the failure: it says nothing of the shape
-            self._learn_step(out, end - start)
+            self._learn_step(out, end - start - propose_time)
         self.last_stats = StepStats(
             time=end, step_time=end - start, num_prefill_tokens=out.num_prefill_tokens,
             num_decode_tokens=out.num_decode_tokens, num_running=len(self.scheduler.running),
@@ -260,20 +298,45 @@ class LLMEngine:
             kv_blocks_used=self.num_blocks - self.kv.num_free_blocks, kv_blocks_total=self.num_blocks,
             kv_cached_blocks=self.kv.num_cached_blocks, predicted_time=out.predicted_time,
             target_time=out.target_time, prefill_budget=out.prefill_budget, time_bound=out.time_bound,
-            num_threads=self.threads.threads if self.threads is not None else 1)
+            num_threads=self.threads.threads if self.threads is not None else 1,
+            num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=accepted, propose_time=propose_time)
         return outputs
 
-    def _update(self, req: Request, token: int, lp, now: float) -> None:
-        """Append a sampled token, then stop conditions and jump-forward."""
-        req.append_token(token, now)
-        if lp is not None:
-            req.logprobs.append(lp)
-        if req.grammar is not None and not req.grammar.accept(token):
+    def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]):
+        """The sampler's tokens for each request: a plain row each, or verify rows where drafts were scheduled."""
+        if any(drafts):
+            return self.sampler.verify(logits, requests, drafts)
+        tokens, logprobs = self.sampler(logits, requests)
+        return [[t] for t in tokens], [[lp] for lp in logprobs]
+
+    def _update(self, req: Request, tokens: list[int], lps: list, now: float, num_draft: int = 0) -> int:
+        """Append a step's emitted tokens (the drafts the sampler kept, then one of its own) one at a time through the
+        stop checks, commit the kept drafts' KV (computed this step), then stop or jump-forward. Returns the drafts
+        kept (a stop can cut some of the accepted ones)."""
+        appended, ended = 0, None
+        for token, lp in zip(tokens, lps):
+            req.append_token(token, now)
+            appended += 1
+            if lp is not None:
+                req.logprobs.append(lp)
+            if req.grammar is not None and not req.grammar.accept(token):
+                ended = "grammar"
+                break
+            ended = check_stop(req, [token])  # one token at a time: a stop inside the drafts ends the step there
+            if ended is not None:
+                break
+        # The step yields `appended` tokens: one of its own and appended - 1 kept drafts (a stop inside the drafts
+        # ends the step there, its last token then counting as the step's own).
+        kept = max(0, min(appended - 1, num_draft))
+        if ended is None:
+            self.scheduler.commit_drafts(req, kept)
+        if ended == "grammar":
             self._grammar_failed(req)
-            return
-        self._check_stop(req)
-        if req.grammar is not None:
+        elif ended is not None:
+            self._finish(req, ended)
+        elif req.grammar is not None:
             self._jump_forward(req, now)
+        return kept
 
     def _fail_all(self, failed: dict[Request, Exception], doing: str) -> list[Request]:
         """End the requests a step failed on, each with the error named; the step's others go on."""
@@ -306,7 +369,8 @@ class LLMEngine:
             if not req.grammar.accept(token):
                 self._grammar_failed(req)
                 return
-            self._check_stop(req)
+            if (ended := check_stop(req, [token])) is not None:
+                self._finish(req, ended)
 
     def _grammar_failed(self, req: Request) -> None:
         """The grammar library gave up on this request (a parser limit mid-document): end it alone, say why."""
@@ -316,9 +380,10 @@ class LLMEngine:
         req.stop_reason = f"structured output failed: {req.grammar.error}"
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
-    def _check_stop(self, req: Request) -> None:
-        """The stop policy (engine/stop.py, shared with the planner's simulator) on the token just appended."""
-        finish_if_stopped(self.scheduler, req, req.output_token_ids[-1:])
+    def _finish(self, req: Request, stop: Stop) -> None:
+        """The stop policy's answer applied (engine/stop.py, shared with the planner's simulator)."""
+        req.stop_reason = stop.reason
+        self.scheduler.finish_request(req, stop.status)
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.output_token_ids[req.num_emitted:]
@@ -334,4 +399,6 @@ class LLMEngine:
             token_ids=list(req.output_token_ids), text=req.text, new_token_ids=new_ids, new_text=new_text,
             finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions, error=req.error)
+            clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions, error=req.error,
+            spec=req.spec if self.speculator is not None else None)
+

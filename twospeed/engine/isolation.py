@@ -7,8 +7,9 @@ request's generator (a few microseconds). Only after an exception:
 - the forward pass is re-run on halves of the step's chunks, recursively, until each failing chunk stands
   alone (a chunk writes only its own KV slots, so re-running one is harmless); the chunks that run are
   kept, a lone chunk that still raises is the culprit;
-- sampling is re-run one row at a time from the same generator states, so every other row draws exactly
-  the token it would have drawn in the batch, and a row that still raises is the culprit.
+- sampling is re-run one request at a time (its row, or its verify rows) from the same generator states, so
+  every other request draws exactly the tokens it would have drawn in the batch, and one that still raises is
+  the culprit.
 
 Inputs: the step's chunks (or sampling rows). Outputs: the results of everything that worked, and a
 {request: exception} map of the culprits for the engine to fail by name.
@@ -24,7 +25,8 @@ from twospeed.engine.request import Logprob, Request
 from twospeed.engine.scheduler import ScheduledChunk
 
 Execute = Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[ScheduledChunk]]]
-Sample = Callable[[torch.Tensor, list[Request]], tuple[list[int], list[Logprob | None]]]
+# (logits, requests, each one's draft tokens) -> (each one's emitted tokens, their logprobs); see Sampler.verify
+Sample = Callable[[torch.Tensor, list[Request], list[list[int]]], tuple[list[list[int]], list[list[Logprob | None]]]]
 
 
 def execute_isolating(execute: Execute, chunks: list[ScheduledChunk]
@@ -44,25 +46,29 @@ def execute_isolating(execute: Execute, chunks: list[ScheduledChunk]
     return (torch.cat(tensors) if tensors else None), sampling, failed
 
 
-def sample_isolating(sample: Sample, generator: torch.Generator, logits: torch.Tensor, requests: list[Request]
-                     ) -> tuple[list[int | None], list[Logprob | None], dict[Request, Exception]]:
-    """sample(logits, requests), or on failure row by row: (a token per row, None for a culprit's; logprobs;
-    the culprits). generator: the sampler's own, for unseeded rows."""
+def sample_isolating(sample: Sample, generator: torch.Generator, logits: torch.Tensor, requests: list[Request],
+                     drafts: list[list[int]]) -> tuple[list[list[int]], list[list[Logprob | None]],
+                                                       dict[Request, Exception]]:
+    """sample(logits, requests, drafts), or on failure request by request (its 1 + len(draft) rows): (the tokens each
+    request emits, [] for a culprit; their logprobs; the culprits). generator: the sampler's own, for unseeded rows."""
     states = [(g, g.get_state()) for g in [generator] + [r.generator for r in requests if r.generator is not None]]
     try:
-        tokens, logprobs = sample(logits, requests)
-        return list(tokens), logprobs, {}
+        tokens, logprobs = sample(logits, requests, drafts)
+        return list(tokens), list(logprobs), {}
     except Exception:
         for g, state in states:
             g.set_state(state)
-    tokens: list[int | None] = []
-    logprobs: list[Logprob | None] = []
+    tokens: list[list[int]] = []
+    logprobs: list[list[Logprob | None]] = []
     failed: dict[Request, Exception] = {}
-    for i, req in enumerate(requests):
+    first = 0
+    for req, draft in zip(requests, drafts):
+        rows = logits[first:first + len(draft) + 1]
+        first += len(draft) + 1
         try:
-            (token,), (lp,) = sample(logits[i:i + 1], [req])
+            (emitted,), (lps,) = sample(rows, [req], [draft])
         except Exception as e:
-            token, lp, failed[req] = None, None, e
-        tokens.append(token)
-        logprobs.append(lp)
+            emitted, lps, failed[req] = [], [], e
+        tokens.append(emitted)
+        logprobs.append(lps)
     return tokens, logprobs, failed

@@ -111,11 +111,88 @@ class Bill:
     output_tokens: int = 0  # tokens emitted (paid decode)
     recomputed_tokens: int = 0  # tokens computed again after a preemption dropped their KV
     forced_tokens: int = 0  # of output_tokens, those a grammar forced: appended without a decode step of their own
+    spec_proposed: int = 0  # draft tokens computed in verify rows (speculation)
+    spec_accepted: int = 0  # of those, kept as output tokens (each one a token its step yielded beyond the first)
+    spec_rejected: int = 0  # computed and thrown away: rejected, or past where the request stopped
 
     def as_dict(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "prefilled_tokens": self.prefilled_tokens, "output_tokens": self.output_tokens,
-                "recomputed_tokens": self.recomputed_tokens, "forced_tokens": self.forced_tokens}
+                "recomputed_tokens": self.recomputed_tokens, "forced_tokens": self.forced_tokens,
+                "spec_proposed": self.spec_proposed, "spec_accepted": self.spec_accepted,
+                "spec_rejected": self.spec_rejected}
+
+
+MAX_SPEC_EVENTS = 64  # fallback / re-probe / gamma events a trace keeps (later ones are counted, not kept)
+# Why a request decodes one token at a time (SpecEvent.cause of "fallback" and "off" events): its own estimate of
+# the gain fell below 1, its lane's did, it asked not to speculate, its lane's policy is off.
+SPEC_OFF_CAUSES = ("low_gain", "lane_estimate", "opted_out", "lane_policy")
+
+
+@dataclass(slots=True)
+class SpecEvent:
+    """A speculation decision for one request: when (its decode step), what and why, with the estimates behind it."""
+
+    step: int  # the request's decode steps so far
+    event: str  # "off" (never proposes), "fallback", "reprobe", "resume", "gamma"
+    reason: str
+    alpha: float | None = None  # running acceptance estimate (per draft position)
+    cost_ratio: float | None = None  # c: a verify step's extra time per draft token, as a share of a decode step
+    gamma: int = 0  # draft tokens per step after the decision (0: proposing nothing)
+    gain: float | None = None  # expected tokens per unit of time against plain decoding: E / (gamma c + 1)
+    cause: str | None = None  # for "fallback" and "off": one of SPEC_OFF_CAUSES
+
+    def as_dict(self) -> dict:
+        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {"step": self.step, "event": self.event, "cause": self.cause, "reason": self.reason,
+                "alpha": r(self.alpha),
+                "cost_ratio": r(self.cost_ratio), "gamma": self.gamma, "gain": r(self.gain)}
+
+
+@dataclass(slots=True)
+class SpecTrace:
+    """What speculation did for one request. Every verify step yields 1 + its kept drafts, so output tokens =
+    1 (the prefill's sample) + decode steps + accepted (+ grammar-forced tokens) for a request never preempted."""
+
+    method: str = "none"
+    verify_steps: int = 0  # decode steps that carried draft tokens
+    proposed: int = 0  # draft tokens verified (= bill.spec_proposed)
+    accepted: int = 0  # kept (= bill.spec_accepted)
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: verify steps that kept draft i + 1
+    proposed_per_position: list[int] = field(default_factory=list)  # [i]: verify steps that proposed draft i + 1
+    events: list[SpecEvent] = field(default_factory=list)
+    events_dropped: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verify step yielded on average (1 + accepted drafts), as vLLM reports it."""
+        return 1 + self.accepted / self.verify_steps if self.verify_steps else None
+
+    def record(self, proposed: int, kept: int) -> None:
+        """A verify step: `proposed` drafts checked, the first `kept` of them kept."""
+        self.verify_steps += 1
+        self.proposed += proposed
+        self.accepted += kept
+        for counts, n in ((self.proposed_per_position, proposed), (self.accepted_per_position, kept)):
+            if len(counts) < n:
+                counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def add_event(self, event: SpecEvent) -> None:
+        if len(self.events) < MAX_SPEC_EVENTS:
+            self.events.append(event)
+        else:
+            self.events_dropped += 1
+
+    def as_dict(self) -> dict:
+        m = self.mean_acceptance_length
+        return {"method": self.method, "verify_steps": self.verify_steps, "proposed": self.proposed,
+                "accepted": self.accepted, "rejected": self.proposed - self.accepted,
+                "accepted_per_position": list(self.accepted_per_position),
+                "proposed_per_position": list(self.proposed_per_position),
+                "mean_acceptance_length": None if m is None else round(m, 4),
+                "events": [e.as_dict() for e in self.events], "events_dropped": self.events_dropped}
 
 
 @dataclass(slots=True)
@@ -137,12 +214,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  prompt: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset(), max_output_tokens: int):
+                 eos_token_ids: frozenset[int] = frozenset(), max_output_tokens: int, lane: str = "default"):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.lane = lane  # the server's lane name: speculation keeps its acceptance estimates per lane
         # Seconds: the tightest ITL objective of the request's lane (the server sets it from --slo); None = the
         # scheduler's default step target; math.inf = its lane has objectives, none of them on ITL.
         self.itl_target: float | None = None
@@ -164,6 +242,11 @@ class Request:
         self.detokenizer = None  # IncrementalDetokenizer when a tokenizer is loaded
         self.text = ""
         self.num_emitted = 0  # output tokens already reported in a RequestOutput
+        # Speculation: draft tokens for this step's verify rows, held beside the accepted tokens (never in
+        # all_token_ids, never hashed into the prefix cache) until the sampler has checked them.
+        self.spec_token_ids: list[int] = []
+        self.spec = SpecTrace()
+        self.spec_state = None  # spec_policy.SpecState while speculation is enabled for it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -172,6 +255,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus this step's draft tokens: what a verify chunk computes up to."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -213,3 +301,4 @@ class RequestOutput:
     bill: Bill
     num_preemptions: int = 0
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    spec: SpecTrace | None = None  # the acceptance trace (None when the engine does not speculate)

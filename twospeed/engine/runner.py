@@ -4,7 +4,9 @@ The runner owns the KV cache tensors: [num_layers, 2, num_blocks, block_size,
 num_kv_heads, row] in the cache's format (row = head_dim; int8 adds its scale: model/kv_format.py). The batch puts single-token chunks first (the batched
 decode path of the attention) and multi-token chunks after (per-request
 prefill spans), so one forward pass serves any mix of prefill and decode.
-Only the rows that sample go through the vocabulary matmul.
+Only the rows that sample go through the vocabulary matmul: a chunk's last
+row, and for a verify chunk (a decode with draft tokens) a row per draft
+position too, each the next-token logits after the tokens before it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step. Returns logits [S, vocab] float32 and the S chunks they belong to, in that order."""
+        """Run one step. Returns logits [S, vocab] float32 and the sampling chunks they belong to, in that order:
+        each chunk's num_logits rows (1, or 1 + num_draft for a verify chunk) one after another."""
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         ordered = decodes + [c for c in chunks if c.num_tokens > 1]
         bs = self.block_size
@@ -69,11 +72,13 @@ class ModelRunner:
             table = kv.block_ids(c.request.request_id)
             tables.append(table)
             end = c.start + c.num_tokens
-            ids += c.request.all_token_ids[c.start:end]
+            ids += c.request.all_token_ids[c.start:end - c.num_draft]
+            if c.num_draft:  # draft tokens sit after the known ones, in slots reserved for them
+                ids += c.request.spec_token_ids[:c.num_draft]
             positions += range(c.start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(c.start, end)]
             if c.samples:
-                sample_rows.append(len(ids) - 1)
+                sample_rows += range(len(ids) - c.num_logits, len(ids))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                                  num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1),

@@ -99,6 +99,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs of each output token (plus the sampled one)
     skip_special_tokens: bool = True
     structured: StructuredOutput | dict[str, Any] | None = None  # constrained output; a dict is a JSON schema
+    speculate: bool | None = None  # False: never speculate for this request; None/True: as the engine is set
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -153,6 +154,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.speculate is not None and not isinstance(self.speculate, bool):
+            raise InvalidParam("speculate", f"speculate must be true, false or null, got {self.speculate!r}")
 
     @property
     def greedy(self) -> bool:

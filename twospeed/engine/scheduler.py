@@ -25,6 +25,15 @@ latest to arrive) is preempted: its blocks are freed, it waits again, and
 later recomputes its prompt and the tokens it already produced. Bookkeeping
 only: no torch and no wall clock of its own (the clock is passed in), so the
 planner can drive it with a cost model in place of the model.
+
+Speculation adds draft tokens to a decode chunk (vLLM's num_tokens_with_spec):
+the request's `spec_token_ids`, held beside its tokens, get KV slots reserved
+with the rest of the chunk and one logits row each. `update_after_step`
+counts only the chunk's known tokens as computed; `commit_drafts` adds the
+drafts the sampler kept. A rejected draft is never counted, so its slot is
+simply written again later: rollback is bookkeeping, no block is freed, and a
+draft is hashed into the prefix cache only once it is a kept token. Billing
+(`high_water`) follows the same counter, after acceptance.
 """
 
 from __future__ import annotations
@@ -44,20 +53,27 @@ from twospeed.engine.request import Request, RequestStatus
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of one request, computed in this step."""
+    """Tokens [start, start + num_tokens) of one request, computed in this step; the last num_draft of them are
+    draft tokens (request.spec_token_ids[:num_draft], positions from request.num_tokens on)."""
 
     request: Request
     start: int
     num_tokens: int
+    num_draft: int = 0
     samples: bool = False  # reaches the last known token, so its logits give the next one
     is_decode: bool = False  # computes the token sampled in the previous step (not prompt, not recompute),
     # plus any tokens a grammar forced after it (jump-forward: several new output tokens, one step)
 
     def __post_init__(self) -> None:
         r = self.request
-        self.samples = self.start + self.num_tokens == r.num_tokens
+        self.samples = self.start + self.num_tokens - self.num_draft == r.num_tokens
         self.is_decode = (self.samples and len(r.output_token_ids) > 0 and self.start >= r.high_water
                           and self.start >= r.num_prompt_tokens)
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the chunk needs: 1 + a row per draft token when it samples, else none."""
+        return 1 + self.num_draft if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -73,7 +89,12 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+        """Decode tokens computed, draft tokens not included (num_draft_tokens)."""
+        return sum(c.num_tokens - c.num_draft for c in self.chunks if c.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(c.num_draft for c in self.chunks)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -146,13 +167,13 @@ class Scheduler:
 
         # Decodes first: a stream's next token never waits behind a long prompt that is being chunked.
         # Then prompt chunks of running requests, then waiting requests, within the prompt share.
-        decodes = [r for r in self.running if _in_decode(r)]
-        prompts = [r for r in self.running if not _in_decode(r)]
+        decodes = [r for r in self.running if in_decode(r)]
+        prompts = [r for r in self.running if not in_decode(r)]
         for req in decodes:
             if budget <= 0:
                 break
             if req.status == RequestStatus.RUNNING:  # not preempted by an earlier one of this loop
-                n, freed = self._place(req, budget, scheduled, out)
+                n, freed = self._place(req, budget, scheduled, out, drafts=True)
                 budget += freed - n
         share = PromptShare(self, list(scheduled.values()), budget)
         for req in prompts:
@@ -193,8 +214,6 @@ class Scheduler:
             out.chunks.append(chunk)
             share.add(chunk)
             budget -= n
-        for chunk in out.chunks:
-            _bill_chunk(chunk)
         share.report(out)
         return out
 
@@ -209,17 +228,22 @@ class Scheduler:
         return None if target is None or math.isinf(target) else target
 
     def _place(self, req: Request, room: int, scheduled: dict[str, ScheduledChunk],
-               out: SchedulerOutput) -> tuple[int, int]:
-        """Schedule up to `room` tokens of running `req`, preempting the lowest-priority running requests while
-        blocks run out (possibly `req` itself). Returns (tokens scheduled, budget given back by preemptions)."""
-        n = min(req.num_tokens - req.num_computed_tokens, room)
+               out: SchedulerOutput, drafts: bool = False) -> tuple[int, int]:
+        """Schedule up to `room` tokens of running `req` (with drafts: its draft tokens after them, as many as fit),
+        preempting the lowest-priority running requests while blocks run out (possibly `req` itself). Returns
+        (tokens scheduled, budget given back by preemptions)."""
+        known = req.num_tokens - req.num_computed_tokens
+        n = min(known + (len(req.spec_token_ids) if drafts else 0), room)
         freed = 0
         while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if n > known:  # the drafts' slots are what does not fit: drop them before preempting anyone
+                n = known
+                continue
             victim = max(self.running, key=self._order)
             freed += self._preempt(victim, scheduled, out)
             if victim is req:
                 return 0, freed
-        scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
+        scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n, num_draft=max(0, n - known))
         return n, freed
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledChunk], out: SchedulerOutput) -> int:
@@ -227,6 +251,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids.clear()
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         self._enqueue(victim)
@@ -236,7 +261,8 @@ class Scheduler:
         return chunk.num_tokens if chunk else 0
 
     def update_after_step(self, out: SchedulerOutput, now: float) -> None:
-        """The model computed the step's chunks: advance counters, cache full blocks, stamp the clock."""
+        """The model computed the step's chunks: advance counters over their known tokens (drafts wait for
+        commit_drafts), bill them, cache full blocks, stamp the clock."""
         has_prefill = out.num_prefill_tokens > 0
         for chunk in out.chunks:
             req = chunk.request
@@ -244,10 +270,23 @@ class Scheduler:
                 req.clock.decode_steps += 1
                 if has_prefill:
                     req.clock.interfered_steps += 1
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            end = chunk.start + chunk.num_tokens - chunk.num_draft
+            _bill_positions(req, chunk.start, end)
+            req.num_computed_tokens = end
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, end)
             if req.clock.prefill_done is None and req.num_computed_tokens >= req.num_prompt_tokens:
                 req.clock.prefill_done = now
+
+    def commit_drafts(self, req: Request, num_kept: int) -> None:
+        """The sampler kept the first num_kept draft tokens of req's verify chunk (now its tokens): their KV, computed
+        this step, counts as computed, is billed and its full blocks are cached. The rest never counted."""
+        if num_kept <= 0 or req.is_finished:
+            return
+        start = req.num_computed_tokens
+        end = min(start + num_kept, req.num_tokens)
+        _bill_positions(req, start, end)
+        req.num_computed_tokens = end
+        self.kv.cache_full_blocks(req.request_id, req.all_token_ids, end)
 
 
 class PromptShare:
@@ -316,12 +355,14 @@ class PromptShare:
 
     def add(self, chunk: ScheduledChunk) -> None:
         """A chunk was placed."""
-        self.shape = self.shape.with_chunk(chunk.start, chunk.num_tokens, chunk.is_decode, chunk.samples)
+        self.shape = self.shape.with_chunk(chunk.start, chunk.num_tokens, chunk.is_decode, chunk.samples,
+                                           chunk.num_draft)
         if not chunk.is_decode:
             self.prefill_tokens += chunk.num_tokens
         elif chunk.request not in self.decoding:  # a stream resumed: the step now carries a decode
             self.decoding.append(chunk.request)
-            self.decode_shape = self.decode_shape.with_chunk(chunk.start, chunk.num_tokens, True, chunk.samples)
+            self.decode_shape = self.decode_shape.with_chunk(chunk.start, chunk.num_tokens, True, chunk.samples,
+                                                             chunk.num_draft)
             self.target = self._effective(self.sched.step_target(self.decoding))
 
     def report(self, out: SchedulerOutput) -> None:
@@ -333,7 +374,7 @@ class PromptShare:
         out.time_bound = self.time_bound
 
 
-def _in_decode(req: Request) -> bool:
+def in_decode(req: Request) -> bool:
     """Its prompt is computed and it is not recomputing: its next chunk is the token it just sampled
     (plus any a grammar forced after it)."""
     return bool(req.output_token_ids) and req.num_computed_tokens >= max(req.high_water, req.num_prompt_tokens)
@@ -342,15 +383,16 @@ def _in_decode(req: Request) -> bool:
 # Billing: each prompt position is billed once, by how the request first got its KV: from the prefix
 # cache (cached_tokens) or by computing it (prefilled_tokens). Every later computation of a position
 # (after a preemption dropped it) is a recomputed token. Positions [0, high_water) have been seen:
-# admission and chunks always run contiguously from position 0, so one number tracks them.
+# admission and chunks always run contiguously from position 0, so one number tracks them. Chunks are billed
+# once computed (update_after_step), draft positions once kept (commit_drafts): a rejected draft's slot is
+# computed again later without counting as recomputed.
 def _bill_cache_hit(req: Request, num_cached: int) -> None:
     p = req.num_prompt_tokens
     req.bill.cached_tokens += max(0, min(num_cached, p) - min(req.high_water, p))
     req.high_water = max(req.high_water, num_cached)
 
 
-def _bill_chunk(chunk: ScheduledChunk) -> None:
-    req, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
+def _bill_positions(req: Request, start: int, end: int) -> None:
     p = req.num_prompt_tokens
     req.bill.recomputed_tokens += max(0, min(end, req.high_water) - start)
     req.bill.prefilled_tokens += max(0, min(end, p) - min(max(start, req.high_water), p))

@@ -161,6 +161,28 @@ class GrammarState:
             if not self.accept(t):
                 break
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of these tokens (draft tokens, say) the grammar would accept from here, one after another."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def draft_masks(self, drafts: Sequence[int]) -> list[np.ndarray]:
+        """len(drafts) + 1 masks: the tokens allowed after drafts [:j], for j = 0 .. len(drafts). The matcher is
+        advanced through the drafts it accepts and rolled back, so its state is unchanged afterwards. Masks past a
+        draft it forbids repeat the last one (those rows are never used: that draft is rejected)."""
+        masks = [self.allowed()]
+        consumed = 0
+        for t in drafts[:self.valid_prefix(drafts)]:
+            if not self.matcher.consume_token(t):
+                break
+            consumed += 1
+            self._allowed = None
+            masks.append(self.allowed())
+        if consumed:
+            self.matcher.rollback(consumed)
+        self._allowed = masks[0]
+        masks += [masks[-1]] * (len(drafts) + 1 - len(masks))
+        return masks
+
     @property
     def is_complete(self) -> bool:
         """The document is finished: nothing but EOS may follow, so generation stops here."""

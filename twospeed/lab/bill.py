@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from twospeed.lab.workload import Price
 
-FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens")
+FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens",
+          "spec_proposed", "spec_accepted")
 
 
 def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: int, client_output_tokens: int,
@@ -27,8 +28,11 @@ def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: 
     # forced: output tokens a grammar forced without a decode step of their own (twospeed's jump-forward);
     # they arrive with the token before them, at ITL 0
     forced = (sb or {}).get("forced_tokens", 0)
+    # speculation (twospeed): draft tokens verified, and those kept as output (each beyond its step's own token)
+    proposed, accepted = (sb or {}).get("spec_proposed", 0), (sb or {}).get("spec_accepted", 0)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached,
-            "output_tokens": out, "goodput_tokens": out if good else 0, "forced_tokens": forced}
+            "output_tokens": out, "goodput_tokens": out if good else 0, "forced_tokens": forced,
+            "spec_proposed": proposed, "spec_accepted": accepted}
 
 
 def money(bill: dict, price: Price) -> dict:

@@ -35,6 +35,11 @@ ROWS = (
     ("cost", ("bill", "total_usd"), None, 1, "$", True),
     ("requests/s", ("throughput", "requests_per_s"), None, 1, "/s", False),
     ("output tok/s", ("throughput", "output_tokens_per_s"), None, 1, "/s", False),
+    ("TPOT p50", ("stats", "tpot", "p50"), ("stats", "tpot", "p50_ci"), 1e3, "ms", True),
+    ("steps/token", ("spec", "steps_per_token"), None, 1, "", True),  # speculation and jump-forward lower it
+    ("spec accepted", ("spec", "accepted"), None, 1, "", False),
+    ("spec proposed", ("spec", "proposed"), None, 1, "", False),
+    ("acceptance length", ("spec", "mean_acceptance_length"), None, 1, "", False),
 )
 # Job lanes only: a job's wall time and where it went, tokens per turn (a turn is one call), job goodput
 JOB_ROWS = (

@@ -76,6 +76,22 @@ def throughput_line(doc: dict) -> str:
     return f"throughput over {doc['run']['wall_s']:.1f} s: {one(doc['total'])} ({lanes})"
 
 
+def spec_line(doc: dict) -> str | None:
+    """Per lane: engine steps per output token, and where the server speculated, drafts kept of verified and the
+    mean acceptance length; None when no lane has either."""
+    parts = []
+    for name, lane in doc["lanes"].items():
+        s = lane.get("spec") or {}
+        if s.get("steps_per_token") is None and not s.get("proposed"):
+            continue
+        text = f"{name} {s['steps_per_token']:.2f} steps/token" if s.get("steps_per_token") is not None else name
+        if s.get("proposed"):
+            text += (f", {s['accepted']:,}/{s['proposed']:,} drafts kept ({_pct(s['acceptance_rate'])}), acceptance "
+                     f"length {s['mean_acceptance_length']:.2f}")
+        parts.append(text)
+    return "decode: " + "; ".join(parts) if parts else None
+
+
 def print_summary(doc: dict, console) -> None:
     from rich.table import Table
 
@@ -89,6 +105,8 @@ def print_summary(doc: dict, console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(throughput_line(doc), highlight=False)
+    if (line := spec_line(doc)) is not None:
+        console.print(line, highlight=False)
     jobs = job_rows(doc)
     if jobs:
         jt = Table(title="jobs: wall time per job and the share of each part (queue/prefill/decode from the "
@@ -238,6 +256,7 @@ def write_html(doc: dict, out: Path) -> Path:
                  "</table>") if jobs else ""
     from twospeed.lab.diagnose import diagnose, diagnosis_lines
 
+    spec = f"<p>{html.escape(line)}</p>" if (line := spec_line(doc)) is not None else ""
     diagnosis = "<h2>Diagnosis</h2><pre>" + html.escape("\n".join(diagnosis_lines(diagnose(doc)))) + "</pre>"
     c = doc["client"]
     warn = (f"<p class=warn>The client fell behind: {c['late_requests']} requests were sent late.</p>"
@@ -249,7 +268,7 @@ padding:3px 6px;text-align:right}}pre{{white-space:pre-wrap;max-width:70em}}figu
 <p>{html.escape(run['model'])} at {html.escape(run['url'])}{' (' + html.escape(run['label']) + ')' if run['label'] else ''};
 seed {run['seed']}, started {html.escape(run['started_at'])}, {run['wall_s']:.1f} s; token timing from
 {html.escape(run['token_source'])}; times in ms (TTFT: send to first content token; ITL: per token).</p>{warn}
-<table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{job_table}{figs}{diagnosis}
+<table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{spec}{job_table}{figs}{diagnosis}
 <h2>The dashboard's views of this run</h2><p><a href="dashboard.html">dashboard.html</a>: the server's /dashboard
 panels (lanes, tokens per step, KV, the split bill, SLOs and miss causes, every request) for this run, offline.</p>
 <iframe src="dashboard.html" title="dashboard" style="width:100%;height:1400px;border:1px solid #ccc"></iframe>

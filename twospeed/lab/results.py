@@ -27,7 +27,8 @@ CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "intend
               "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "call_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
               "token_source", "server_queue_s", "server_route_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
-              "server_decode_steps", "server_interfered_steps", "server_slo_met", "finish_reason", "gate_passed",
+              "server_decode_steps", "server_interfered_steps", "server_slo_met", "spec_proposed", "spec_accepted",
+              "spec_verify_steps", "spec_acceptance_length", "steps", "steps_per_token", "finish_reason", "gate_passed",
               "gate_reason", "slo_met", "slo_missed", "good")
 
 
@@ -92,6 +93,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     b = billing.request_bill(resp.usage, resp.server, counted, t.output_tokens if t else 0, good)
     clock = (resp.server or {}).get("clock") or {}
     slo = (resp.server or {}).get("slo") or {}
+    spec = (resp.server or {}).get("spec") or {}
+    steps = _steps(clock, t) if ok else None
     info = p.turn
     return {
         "index": p.index, "lane": lane.name, "job": info.job if info else None, "turn": info.turn if info else None,
@@ -117,11 +120,37 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "server_prefill_s": _s(clock.get("prefill_ms")),
         "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
         "server_decode_steps": clock.get("decode_steps"), "server_interfered_steps": clock.get("interfered_steps"),
-        "server_slo_met": slo.get("met"), "finish_reason": resp.finish_reason,
+        "server_slo_met": slo.get("met"), "spec_verify_steps": spec.get("verify_steps"),
+        "spec_acceptance_length": spec.get("mean_acceptance_length"), "steps": steps,
+        "steps_per_token": steps / b["output_tokens"] if steps and b["output_tokens"] else None,
+        "finish_reason": resp.finish_reason,
         "gate_passed": gate.passed, "gate_reason": gate.reason, "slo_met": not missed, "slo_missed": ",".join(missed),
         "good": good, "itl_s": list(t.itl) if t else [], "chunk_gaps_s": list(t.chunk_gaps) if t else [],
         "text_head": resp.text[:200], "text": resp.text,
     }
+
+
+def _steps(clock: dict, timing) -> int | None:
+    """Engine steps that yielded the answer's tokens: the server's decode steps plus the prefill's sample when it
+    says (twospeed), else the streamed chunks that carried tokens (a server streams one per step). Tokens a step
+    yields beyond one (speculation, jump-forward) are what makes steps per token fall below 1."""
+    if clock.get("decode_steps") is not None:
+        return clock["decode_steps"] + 1
+    return len(timing.chunk_gaps) + 1 if timing.output_tokens else None
+
+
+def spec_summary(records: list[dict]) -> dict:
+    """Speculation over some requests: drafts verified and kept (twospeed's bill), verify steps, the mean
+    acceptance length (tokens a verify step yielded), and steps per output token (any server: see _steps)."""
+    with_steps = [r for r in records if r.get("steps")]
+    steps, tokens = sum(r["steps"] for r in with_steps), sum(r["output_tokens"] for r in with_steps)
+    proposed = sum(r.get("spec_proposed") or 0 for r in records)
+    accepted = sum(r.get("spec_accepted") or 0 for r in records)
+    verify = sum(r.get("spec_verify_steps") or 0 for r in records)
+    return {"proposed": proposed, "accepted": accepted, "verify_steps": verify,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "mean_acceptance_length": 1 + accepted / verify if verify else None,
+            "steps_per_token": steps / tokens if tokens else None}
 
 
 def info_gate(resp: Response, lane_gate: dict) -> dict:
@@ -153,6 +182,7 @@ def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s:
         "goodput": {"requests": good, "rate": good / n if n else None, "tokens": b["goodput_tokens"]},
         "bill": {**b, **billing.money(b, price)},
         "throughput": throughput(len(ok), b["output_tokens"], wall_s),
+        "spec": spec_summary(ok),
         "prompt_fit": prompt_fit(ok),
     }
 

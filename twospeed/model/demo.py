@@ -9,6 +9,10 @@ serves as the reference.
 Outputs: `write_demo_checkpoint(path)` writes config.json, generation_config.json,
 model.safetensors, tokenizer.json and tokenizer_config.json; `demo_checkpoint_path()`
 builds it once into a cache folder and returns that folder.
+
+`demo-draft` (`draft_checkpoint_path()`) is speculative decoding's draft for the demo: the
+same tokenizer, the embeddings, the first DRAFT_LAYERS decoder layers and the final norm of
+the demo itself (an early-exit draft, as in self-speculative decoding), in the same layout.
 """
 
 from __future__ import annotations
@@ -208,8 +212,8 @@ def demo_state_dict(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[s
     return weights  # no lm_head.weight: tie_word_embeddings
 
 
-def write_demo_checkpoint(path: str | Path) -> Path:
-    """Write the demo checkpoint to `path` atomically and return `path`.
+def _write_checkpoint(path: str | Path, config: dict, weights) -> Path:
+    """Write config, tokenizer and weights() to `path` atomically and return `path`.
 
     Files go to a temp folder beside `path`, then one rename publishes them, so a reader
     (or a second builder racing this one) never sees a half-written folder. If `path`
@@ -219,11 +223,11 @@ def write_demo_checkpoint(path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        _write_json(tmp / "config.json", DEMO_CONFIG)
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json",
-                    {"bos_token_id": DEMO_CONFIG["bos_token_id"], "eos_token_id": DEMO_CONFIG["eos_token_id"]})
+                    {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
         write_demo_tokenizer(tmp)
-        save_file(demo_state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in tmp.iterdir():
             os.chmod(f, 0o644)  # safetensors writes 0600; a shared cache must be readable
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
@@ -237,6 +241,24 @@ def write_demo_checkpoint(path: str | Path) -> Path:
     return path
 
 
+DRAFT_LAYERS = 2  # of the demo's 8: the draft's step costs about a third of the demo's (the lm_head is shared size)
+
+
+def draft_config(config: dict = DEMO_CONFIG, layers: int = DRAFT_LAYERS) -> dict:
+    return {**config, "num_hidden_layers": layers}
+
+
+def draft_state_dict(layers: int = DRAFT_LAYERS) -> dict[str, torch.Tensor]:
+    """The demo's weights without its layers from `layers` on."""
+    keep = tuple(f"model.layers.{i}." for i in range(layers))
+    return {k: v for k, v in demo_state_dict().items() if not k.startswith("model.layers.") or k.startswith(keep)}
+
+
+def write_demo_checkpoint(path: str | Path) -> Path:
+    """Write the demo checkpoint to `path` atomically (see _write_checkpoint) and return `path`."""
+    return _write_checkpoint(path, DEMO_CONFIG, demo_state_dict)
+
+
 def demo_checkpoint_path() -> Path:
     """The cached demo checkpoint folder ($TWOSPEED_CACHE or ~/.cache/twospeed), built on first use."""
     root = cache_root()
@@ -244,6 +266,16 @@ def demo_checkpoint_path() -> Path:
     path = root / f"demo-{key}"
     if not (path / "config.json").is_file():
         write_demo_checkpoint(path)
+    return path
+
+
+def draft_checkpoint_path() -> Path:
+    """The cached demo-draft checkpoint folder, built on first use."""
+    config = draft_config()
+    key = hashlib.sha256((json.dumps(config, sort_keys=True) + DEMO_VERSION + "-draft").encode()).hexdigest()[:12]
+    path = cache_root() / f"demo-draft-{key}"
+    if not (path / "config.json").is_file():
+        _write_checkpoint(path, config, draft_state_dict)
     return path
 
 

@@ -88,6 +88,7 @@ class RequestGroup:
     arrival_time: float
     specs: list[SequenceSpec]
     itl_target: float | None = None  # seconds: the lane's tightest ITL objective (LaneSLO.itl_target)
+    speculate: bool | None = None  # the lane's speculation policy (LaneSLO.speculate)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
     routed_time: float | None = None  # behind a router: arrival at this replica (arrival_time is at the router)
@@ -258,7 +259,8 @@ class AsyncEngine:
             for spec in group.specs:
                 req = self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
                                               arrival_time=group.arrival_time, priority=group.priority,
-                                              itl_target=group.itl_target)
+                                              itl_target=group.itl_target, lane=group.lane,
+                                              speculate=group.speculate)
                 req.clock.routed = group.routed_time
                 self._tracked[spec.request_id] = _Tracked(group, spec, req)
                 added.append(spec.request_id)

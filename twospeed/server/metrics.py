@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from twospeed.engine.engine import EngineMemory, StepStats
-from twospeed.engine.request import Clock
+from twospeed.engine.request import SPEC_OFF_CAUSES, Clock, SpecTrace
 from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.slo import CAUSES, Verdict
 
@@ -111,6 +111,21 @@ class ServerMetrics:
                                     ("model",), registry=r)
         self.price = Gauge("twospeed_price_per_million_tokens", "the --price table: dollars per 1M tokens, by kind "
                            "(input: prefilled, cached_input, output)", ("kind", "model"), registry=r)
+        self.spec_drafts = Counter("twospeed_spec_draft_tokens", "draft tokens verified (speculative decoding)", lm,
+                                   registry=r)
+        self.spec_accepted = Counter("twospeed_spec_accepted_tokens",
+                                     "draft tokens kept as output tokens (each one beyond its step's own)", lm,
+                                     registry=r)
+        self.spec_steps = Counter("twospeed_spec_verify_steps", "decode steps that verified draft tokens", lm,
+                                  registry=r)
+        self.spec_position = Counter("twospeed_spec_accepted_tokens_per_position",
+                                     "verify steps that kept the draft at this position (1 = the first draft)",
+                                     ("lane", "model", "position"), registry=r)
+        self.spec_fallbacks = Counter("twospeed_spec_fallbacks",
+                                      "sequences that stopped (or never started) speculating, by cause: low_gain, "
+                                      "lane_estimate (expected gain below 1), opted_out, lane_policy",
+                                      ("lane", "model", "cause"), registry=r)
+        self.spec_positions = 0  # draft positions counted (num_speculative_tokens; set_spec)
         self.step_failures = Counter("twospeed_engine_step_failures",
                                      "engine steps that raised, by scope: request (only the requests that caused it "
                                      "failed) or step (every sequence in flight failed)", ("model", "scope"),
@@ -146,6 +161,18 @@ class ServerMetrics:
         for kind, dollars in price_per_m.items():
             self.price.labels(kind, self.model).set(dollars)
 
+    def set_spec(self, num_positions: int) -> None:
+        """Speculation is on with up to num_positions drafts a step: its per-position series start at 0 too."""
+        self.spec_positions = num_positions
+        for lane in tuple(self._lanes):
+            self._spec_series(lane)
+
+    def _spec_series(self, lane: str) -> None:
+        for position in range(1, self.spec_positions + 1):
+            self.spec_position.labels(lane, self.model, str(position))
+        for cause in SPEC_OFF_CAUSES:
+            self.spec_fallbacks.labels(lane, self.model, cause)
+
     def add_lane(self, lane: str) -> None:
         """Every series of a lane at 0, so that rate() over it is 0 rather than nothing before its first request."""
         if lane in self._lanes:
@@ -154,8 +181,10 @@ class ServerMetrics:
         labels = (lane, self.model)
         for metric in (self.ttft, self.itl, self.queue, self.prefill, self.decode, self.e2e, self.generation_tokens,
                        self.forced_tokens, self.recomputed_tokens, self.goodput_tokens, self.prefix_queries,
-                       self.prefix_hits, self.preemptions, self.running, self.waiting):
+                       self.prefix_hits, self.preemptions, self.running, self.waiting, self.spec_drafts,
+                       self.spec_accepted, self.spec_steps):
             metric.labels(*labels)
+        self._spec_series(lane)
         for kind in PROMPT_KINDS:
             self.prompt_tokens.labels(lane, self.model, kind)
         self.slo.labels(lane, self.model, "met", "none")
@@ -171,6 +200,7 @@ class ServerMetrics:
                 self.set_load(running, waiting, kv_usage, cached_blocks)
             case FinishEvent(lane, request, aborted, verdict):
                 self.on_finished(lane, event.counts(), request.clock, aborted, verdict)
+                self.on_spec(lane, request.spec)
             case FaultEvent(scope):
                 self.step_failures.labels(self.model, scope).inc()
 
@@ -235,6 +265,20 @@ class ServerMetrics:
             itl.observe(gap)
         if verdict is not None:
             self.slo.labels(lane, self.model, "met" if verdict.met else "missed", verdict.cause or "none").inc()
+
+    def on_spec(self, lane: str, trace: SpecTrace) -> None:
+        """A finished sequence's speculation: drafts, kept drafts, verify steps, kept by position, fallbacks."""
+        labels = (lane, self.model)
+        for counter, value in ((self.spec_drafts, trace.proposed), (self.spec_accepted, trace.accepted),
+                               (self.spec_steps, trace.verify_steps)):
+            if value:
+                counter.labels(*labels).inc(value)
+        for i, kept in enumerate(trace.accepted_per_position):
+            if kept:
+                self.spec_position.labels(lane, self.model, str(i + 1)).inc(kept)
+        for e in trace.events:
+            if e.cause is not None:
+                self.spec_fallbacks.labels(lane, self.model, e.cause).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

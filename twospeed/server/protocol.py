@@ -7,8 +7,9 @@ ignored, as vLLM does, so newer clients keep working.
 
 twospeed extras (vLLM's names where vLLM has one): top_k, min_p, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority,
-return_token_ids (the choice's token ids), and `lane` (the SLO lane; also the
-x-twospeed-lane header).
+return_token_ids (the choice's token ids), `lane` (the SLO lane; also the
+x-twospeed-lane header) and `speculate` (false: no speculative decoding for this
+request, whatever the server's --spec-method).
 
 Structured output: `response_format` (json_object, json_schema) on both endpoints, and `tools` +
 `tool_choice` on chat, become a StructuredOutput the engine compiles (llguidance). A tool call is
@@ -93,6 +94,7 @@ class _SamplingRequest(_Model):
     priority: Int | None = Field(None, ge=-(2**31), le=2**31 - 1,
                                  description="scheduling priority (lower first) with --scheduling-policy priority")
     return_token_ids: bool = False
+    speculate: bool | None = Field(None, description="false: decode this request without speculation")
     response_format: Annotated[dict[str, Any] | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
     _structured: Any = PrivateAttr(default=False)  # structured_output(), computed once (False: not yet)
 
@@ -154,7 +156,8 @@ class _SamplingRequest(_Model):
             top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
             seed=seed, stop=stops, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured=self.structured_output())
+            skip_special_tokens=self.skip_special_tokens, structured=self.structured_output(),
+            speculate=self.speculate)
 
 
 class CompletionRequest(_SamplingRequest):

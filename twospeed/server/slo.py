@@ -7,7 +7,8 @@ optional percentile and a threshold:
     --slo drafting:ttft_p99=500ms,itl_p99=60ms --slo nightly:ttlt=30s,priority=5
 
 Metrics (the split clock of docs/ARCHITECTURE.md): queue, prefill, ttft, itl, tpot, ttlt. Units: us, ms, s, m.
-`priority=N` sets the lane's scheduling priority (used with --scheduling-policy priority).
+`priority=N` sets the lane's scheduling priority (used with --scheduling-policy priority);
+`speculate=off` turns speculative decoding off for the lane's requests (on: as the server is set).
 A lane's tightest ITL objective also goes to the engine with each of its requests: while one of them decodes,
 the scheduler keeps each step's predicted time within it (x SchedulerConfig.itl_objective_share).
 
@@ -74,6 +75,7 @@ class LaneSLO:
     lane: str
     objectives: tuple[Objective, ...] = ()
     priority: int | None = None  # scheduling priority for the lane's requests (lower runs first)
+    speculate: bool | None = None  # False: the lane's requests never speculate (None: as the engine is set)
 
     @property
     def itl_target(self) -> float | None:
@@ -116,9 +118,15 @@ def parse_duration(text: str) -> float:
 
 def _parse_items(lane: str, items: dict[str, object]) -> LaneSLO:
     check_lane_name(lane)
-    objectives, priority = [], None
+    objectives, priority, speculate = [], None, None
     for key, raw in items.items():
         key = str(key).strip()
+        if key == "speculate":
+            flag = str(raw).strip().lower()
+            if flag not in ("on", "off", "true", "false"):
+                raise ValueError(f"lane {lane!r}: speculate must be on or off, got {raw!r}")
+            speculate = flag in ("on", "true")
+            continue
         if key == "priority":
             try:
                 priority = int(str(raw).strip())
@@ -133,7 +141,7 @@ def _parse_items(lane: str, items: dict[str, object]) -> LaneSLO:
         if p is not None and not 0 < p <= 100:
             raise ValueError(f"lane {lane!r}: percentile in {key!r} must be in (0, 100]")
         objectives.append(Objective(m["metric"], parse_duration(str(raw)), p))
-    return LaneSLO(lane, tuple(objectives), priority)
+    return LaneSLO(lane, tuple(objectives), priority, speculate)
 
 
 def parse_slo_flag(spec: str) -> LaneSLO:

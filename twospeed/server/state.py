@@ -62,6 +62,8 @@ class ServerState:
         self.kv_bytes_per_block = self.memory.block_bytes
         self.metrics.set_pool(self.engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
         self.metrics.set_memory(self.memory)
+        if self.engine.config.spec.enabled:
+            self.metrics.set_spec(self.engine.config.spec.num_speculative_tokens)
         # The model, torch and the libraries are loaded for good: take them out of the cyclic GC's reach. Without
         # this a full collection walks them all, holding the GIL for 0.25-0.4 s on the demo model when a big
         # request allocates enough to trigger one (the event loop and the engine thread both stall); vLLM does
@@ -140,7 +142,8 @@ class ServerState:
                                 f"(--max-waiting {limit}); retry later", "rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
         priority = body.priority if body.priority is not None else (lane.priority or 0)
-        group = RequestGroup(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target)
+        group = RequestGroup(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target,
+                             speculate=lane.speculate)
         try:
             await engine.add(group)
         except ValueError as e:  # admission's InvalidParam names its field; a grammar that does not compile
