@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,cluster]"
 	@touch $@
 
-# The latency lab on the demo model: serve it with chunked prefill on, then off; replay a short `mixed`
-# workload against each; print the comparison and each run's diagnosis (about two minutes on two cores).
+# The latency lab on the built-in `demo-task` model (trained on the lab's formats on first use, about five
+# minutes on two cores, then cached): serve it with chunked prefill on, then off; replay a short `tasks`
+# workload against each; print the comparison, gate pass rates and each run's diagnosis.
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 
