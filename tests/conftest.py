@@ -81,3 +81,15 @@ def task_model_path():
     from twospeed.model.task_model import task_checkpoint_path
 
     return task_checkpoint_path("demo-task")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "task_model: needs the trained demo-task model (a few minutes to build on "
+                                       "first use); not in the default run: `make test-task`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that takes the task model (the fixture) is a task_model test, marked or not."""
+    for item in items:
+        if "task_model_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.task_model)

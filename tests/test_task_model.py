@@ -189,6 +189,7 @@ def _hash(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
+@pytest.mark.task_model  # trains a tiny spec three times
 def test_build_is_deterministic(tmp_path):
     """Same spec and seed -> the same bytes, in this process and in a fresh one (new hash seeds, new thread
     pools); another seed -> other weights. A tiny spec: the recipe is the same code path as demo-task's."""
