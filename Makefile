@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz mutation bench clean
+.PHONY: demo test test-task fuzz mutation bench clean
 
 # One install for both targets: the project, its test extras and the cluster extra (Ray Serve, for
 # `serve --replicas` and its tests), and torch pinned first so that nothing can pull a CUDA build.
@@ -17,12 +17,17 @@ $(STAMP): pyproject.toml
 
 # The latency lab on the demo model: serve it with chunked prefill on, then off; replay a short `mixed`
 # workload against each; print the comparison and each run's diagnosis (about two minutes on two cores).
+# (It moves to the trained `demo-task` once that model passes its quality bars: `make test-task`.)
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 
 # The suite, hypothesis under its derandomized `ci` profile (tests/conftest.py): the same examples every run.
 test: $(STAMP)
 	$(PY) -m pytest
+
+# The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about five minutes on two cores).
+test-task: $(STAMP)
+	$(PY) -m pytest -m task_model
 
 # The wide randomized search: the hypothesis tests once per seed, 1..FUZZ_SEEDS, under the `fuzz` profile.
 # A failure names its seed; `pytest -m hypothesis --hypothesis-profile=fuzz --hypothesis-seed=N` replays it.

@@ -72,3 +72,24 @@ def hf_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = write_hf_checkpoint(path, request.param)
     return request.param, path, model
+
+
+@pytest.fixture(scope="session")
+def task_model_path():
+    """The built-in task model's folder (`demo-task`): trained on first use into the cache folder, so once per
+    TWOSPEED_CACHE (CI sets a fresh one: once per run), then loaded from there by every test that needs it."""
+    from twospeed.model.task_model import task_checkpoint_path
+
+    return task_checkpoint_path("demo-task")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "task_model: needs the trained demo-task model (a few minutes to build on "
+                                       "first use); not in the default run: `make test-task`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that takes the task model (the fixture) is a task_model test, marked or not."""
+    for item in items:
+        if "task_model_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.task_model)

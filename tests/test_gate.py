@@ -213,6 +213,7 @@ def task_model_or_skip() -> str:
     return "demo-task"
 
 
+@pytest.mark.task_model
 def test_on_the_task_model_int8_ships_and_a_destructive_candidate_is_no_ship(tmp_path):
     """The gate's purpose: int8 weights keep the contracts (ship), a deliberately broken quantization does not
     (no-ship, for the gate pass, not for latency)."""

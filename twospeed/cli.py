@@ -28,7 +28,9 @@ def _bool(text: str) -> bool:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
-    parser.add_argument("--model", default="demo", help="checkpoint folder (HF layout) or 'demo'")
+    parser.add_argument("--model", default="demo",
+                        help="checkpoint folder (HF layout), or a built-in: demo (random weights), demo-draft (its "
+                             "draft), demo-task (trained on the lab's formats, built on first use)")
     for klass in _ENGINE_AREAS:
         hints = typing.get_type_hints(klass)
         for flat, name in flat_fields(klass).items():
@@ -189,7 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         server_config.lanes()  # a bad --slo fails here, with its message
         from twospeed.engine.engine import resolve_model_path
-        if args.model != "demo":  # the demo is built (torch, in the main thread) only in the engine thread
+        from twospeed.model.builtin import is_builtin
+        if not is_builtin(args.model):  # a built-in is built (torch, in the main thread) only in the engine thread
             resolve_model_path(args.model)  # a wrong --model fails here, before uvicorn starts
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"twospeed serve: {e}", file=sys.stderr)

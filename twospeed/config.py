@@ -216,7 +216,7 @@ def flat_fields(klass: type) -> dict[str, str]:
 class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
-    model: str  # checkpoint folder, or "demo"
+    model: str  # checkpoint folder, or a built-in ("demo", "demo-task")
     dtype: str = "auto"  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling

@@ -81,10 +81,10 @@ def deploy(engine_config: EngineConfig, server_config: ServerConfig, cluster: Cl
     """Start Serve's proxy (if it is not running) and deploy the application; returns the API's URL."""
     from ray import serve
 
-    if engine_config.model == "demo" and cluster.attach_to is None:
-        from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
 
-        demo_checkpoint_path()  # built here once, before the replicas (and the ingress) all look for it
+    if is_builtin(engine_config.model) and cluster.attach_to is None:
+        builtin_checkpoint_path(engine_config.model)  # built once here, before the replicas and the ingress look
     host = server_config.host
     port = server_config.port or free_port(host)
     serve.start(http_options={"host": host, "port": port})

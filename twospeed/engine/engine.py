@@ -92,16 +92,15 @@ class EngineMemory:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A checkpoint folder, or the built-in demo (`demo`) or its draft (`demo-draft`), built on first use."""
-    if model == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
-        return demo_checkpoint_path()
-    if model == "demo-draft":
-        from twospeed.model.demo import draft_checkpoint_path
-        return draft_checkpoint_path()
+    """A checkpoint folder, or a built-in (model/builtin.py: `demo`, `demo-draft`, `demo-task`), built on first
+    use."""
+    from twospeed.model.builtin import builtin_checkpoint_path, builtin_names, is_builtin
+
+    if is_builtin(model):
+        return builtin_checkpoint_path(model)
     path = Path(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (or use 'demo' or 'demo-draft')")
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (built in: {', '.join(builtin_names())})")
     return path
 
 

@@ -56,6 +56,7 @@ class BenchConfig:
     timeout: float = 600.0  # seconds per request
     kv_block_size: int = 16  # tokens per KV block on the server, for the KV memory of cached prefixes
     late_threshold: float = 0.05  # a request sent this many seconds late counts as late
+    prompts: str | None = None  # every lane's prompts: "synthetic" | "task" (the task corpus); None = the lanes'
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -81,11 +82,11 @@ class BenchConfig:
 
 
 def _tokenizer_path(cfg: BenchConfig) -> str | Path | None:
-    if cfg.tokenizer in (None, "demo") and (cfg.tokenizer == "demo" or cfg.model == "demo"):
-        from twospeed.engine.engine import resolve_model_path
+    """--tokenizer, a built-in model's name for its tokenizer, or (without one) --model's when it is built in."""
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
 
-        return resolve_model_path("demo")
-    return cfg.tokenizer
+    name = cfg.tokenizer if cfg.tokenizer is not None else cfg.model
+    return builtin_checkpoint_path(name) if is_builtin(name) else cfg.tokenizer
 
 
 def _model_config(path) -> dict:
@@ -109,7 +110,8 @@ def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | s
     planner = Planner(workload, PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale,
                                            max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate,
                                            max_output_tokens=cfg.max_output_tokens,
-                                           summarize_dumps=cfg.summarize_dumps, unstable_prefix=cfg.unstable_prefix),
+                                           summarize_dumps=cfg.summarize_dumps, unstable_prefix=cfg.unstable_prefix,
+                                           prompts=cfg.prompts),
                       counter)
     return workload, planner, counter, tok
 

@@ -12,7 +12,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="API root of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="the model id the server expects")
     p.add_argument("--workload", required=True,
-                   help="agent | rag | chat | nightly | mixed | agent-jobs | FILE.yaml | TRACE.jsonl")
+                   help="agent | rag | chat | nightly | mixed | agent-jobs | tasks | FILE.yaml | TRACE.jsonl")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--requests", type=int, help="send this many requests (a job lane's arrival is a job; default 40)")
     size.add_argument("--duration", type=float, help="or send for this many seconds")
@@ -36,6 +36,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", help="this run's name in comparisons")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--kv-block-size", type=int, default=16, help="the server's KV block size (for KV memory)")
+    p.add_argument("--prompts", choices=("synthetic", "task"),
+                   help="every lane's prompts: synthetic (shaped word salad) or task (the formats the built-in "
+                        "demo-task model has learnt, so its gates mean something); default: each lane's own")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -122,8 +125,8 @@ def run_compare_command(args: argparse.Namespace) -> int:
 def add_lab_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=20, help="requests per run")
     p.add_argument("--rate", type=float, default=1.5, help="total requests/s")
-    # rag prompts of ~2.4-3.6k tokens: long enough that an unchunked prefill stalls the other streams visibly
-    p.add_argument("--scale", type=float, default=0.6, help="prompt length scale (the demo model holds 4096 tokens)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="prompt length scale (the tasks workload is sized for demo-task's training lengths)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/lab-demo", help="folder for the two runs")
 

@@ -4,7 +4,8 @@ json           the answer parses as JSON (surrounding whitespace and a ```json f
 json_schema    it parses and validates against `schema` (the jsonschema library)
 citation       every cited passage id ([P012]) exists in the prompt; at least `min_citations` of them
 allowed_codes  the answer (or its JSON `field`) is one of `codes` (or the request's meta allowed_codes)
-refusal        a refusal is detected where one is expected (`expect: true`) or not (default)
+refusal        a refusal is detected where one is expected (`expect: true`, or the request's meta
+               `expect_refusal`, as task prompts set it) or not (default)
 none           always passes
 
 A failed gate is a result, never an exception: it shows in the report and takes the request out of goodput.
@@ -30,7 +31,8 @@ class GateResult:
     reason: str = ""  # why it failed (empty when it passed)
 
 
-def _parse(text: str):
+def parse_json(text: str):
+    """The answer's JSON value (surrounding whitespace and a ```json fence allowed); ValueError if it is none."""
     body = text.strip()
     fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
     return json.loads(fence.group(1) if fence else body)
@@ -38,7 +40,7 @@ def _parse(text: str):
 
 def gate_json(text: str, meta: dict, config: dict) -> GateResult:
     try:
-        _parse(text)
+        parse_json(text)
     except ValueError as e:
         return GateResult(False, f"not JSON: {e}")
     return GateResult(True)
@@ -46,7 +48,7 @@ def gate_json(text: str, meta: dict, config: dict) -> GateResult:
 
 def gate_json_schema(text: str, meta: dict, config: dict) -> GateResult:
     try:
-        value = _parse(text)
+        value = parse_json(text)
     except ValueError as e:
         return GateResult(False, f"not JSON: {e}")
     try:
@@ -75,7 +77,7 @@ def gate_allowed_codes(text: str, meta: dict, config: dict) -> GateResult:
     answer = text.strip()
     if config.get("field"):
         try:
-            value = _parse(text)
+            value = parse_json(text)
         except ValueError as e:
             return GateResult(False, f"not JSON: {e}")
         if not isinstance(value, dict) or config["field"] not in value:
@@ -86,7 +88,7 @@ def gate_allowed_codes(text: str, meta: dict, config: dict) -> GateResult:
 
 def gate_refusal(text: str, meta: dict, config: dict) -> GateResult:
     refused = REFUSAL.search(text) is not None
-    expect = bool(config.get("expect", False))
+    expect = bool(meta.get("expect_refusal", config.get("expect", False)))  # the request's own, else the lane's
     if refused == expect:
         return GateResult(True)
     return GateResult(False, "refused" if refused else "did not refuse")

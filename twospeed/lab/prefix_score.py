@@ -99,10 +99,12 @@ class PrefixReport:
 
 # -- input ------------------------------------------------------------------------------------------
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The demo model's tokenizer, an HF checkpoint folder's, or a bare tokenizer.json (no chat template)."""
-    if path is None or path == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
-        return Tokenizer.from_pretrained(demo_checkpoint_path())
+    """A built-in model's tokenizer (default: the demo's), an HF checkpoint folder's, or a bare tokenizer.json
+    (no chat template)."""
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+
+    if path is None or is_builtin(str(path)):
+        return Tokenizer.from_pretrained(builtin_checkpoint_path(str(path or "demo")))
     p = Path(path)
     if p.is_dir():
         return Tokenizer.from_pretrained(p)

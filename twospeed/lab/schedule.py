@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from twospeed.lab import arrivals, prompts
+from twospeed.lab import arrivals, prompts, task_prompts
 from twospeed.lab.job_prompt import system_block
 from twospeed.lab.job_script import RecordedJob, SyntheticJob
 from twospeed.lab.job_spec import Summarize
-from twospeed.lab.workload import Lane, Workload
+from twospeed.lab.workload import PROMPT_SOURCES, Lane, Workload
 
 FIT_ROUNDS = 8  # rebuilds to land a prompt on its exact token count (BPE merges at the seams shift it by a few)
 PAD_MIN = 4  # a padding line needs this many tokens of room
@@ -38,8 +38,11 @@ class PlanConfig:
     max_output_tokens: int | None = None  # cap on every request's max_tokens (shorter runs)
     summarize_dumps: int | None = None  # job lanes: cap tool dumps at this many tokens (0 = off; None = the workload's)
     unstable_prefix: bool = False  # stamp the send time into every shared prefix (defeats the prefix cache)
+    prompts: str | None = None  # every lane's prompt source ("synthetic" | "task"); None = each lane's own
 
     def __post_init__(self) -> None:
+        if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
+            raise ValueError(f"--prompts must be one of {PROMPT_SOURCES}, got {self.prompts!r}")
         if not self.scale > 0:
             raise ValueError(f"--scale must be > 0, got {self.scale}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 32:
@@ -77,6 +80,10 @@ class Planner:
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.config.seed, *key])
 
+    def source(self, lane: Lane):
+        """The module that writes this lane's prompts: prompts (synthetic) or task_prompts (the task corpus)."""
+        return task_prompts if (self.config.prompts or lane.prompts) == "task" else prompts
+
     def _prefix(self, lane: Lane, lane_idx: int, request: int | None) -> str:
         """The salt line + the lane's shared block, fitted to prefix_tokens billed tokens (BOS inside)."""
         key = (lane_idx, 1) if request is None else (lane_idx, 2, request)
@@ -87,7 +94,7 @@ class Planner:
         for _ in range(FIT_ROUNDS):
             rng = self._rng(*key)
             block = (system_block(rng, self.counter, asked, list(lane.job.tools)) if lane.job else
-                     prompts.shared_prefix(lane.kind, rng, self.counter, asked))
+                     self.source(lane).shared_prefix(lane.kind, rng, self.counter, asked))
             text = self.salt + block
             n = self.counter.billed(text)
             if n == want or asked <= 1:
@@ -153,7 +160,7 @@ class Planner:
 
         def make(pad: str, body: int) -> prompts.Prompt:
             rng.bit_generator.state = state
-            return prompts.BUILDERS[lane.kind](rng, self.counter, prefix + pad, body, turn)
+            return self.source(lane).BUILDERS[lane.kind](rng, self.counter, prefix + pad, body, turn)
 
         asked = self._target(round(lane.prefix_tokens * self.config.scale), new)
         p, n = self._fit(lane, make, round(lane.prefix_tokens * self.config.scale), asked)

@@ -23,8 +23,9 @@ import yaml
 if TYPE_CHECKING:
     from twospeed.lab.job_spec import JobSpec
 
-BUILTIN = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs", "regression")
+BUILTIN = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs", "regression", "tasks")
 PROMPT_KINDS = ("agent", "rag", "chat", "nightly", "trace", "job")
+PROMPT_SOURCES = ("synthetic", "task")  # word salad of the right shape (prompts.py), or the task corpus (task_prompts.py)
 # Harness policies: how the client builds prompts, not what the traffic is. Runs that differ only in these
 # stay comparable (the workload digest leaves them out): a stable vs an unstable system block, dumps
 # summarized or not.
@@ -131,12 +132,15 @@ class Lane:
     response_format: dict | None = None  # sent as is (structured output), when the server supports it
     prefix_stable: bool = True  # False: the system block carries the send time (as careless harnesses do)
     job: "JobSpec | None" = None  # kind job: the steps, tools, window and policies of one job
+    prompts: str = "synthetic"  # "synthetic" | "task": the task corpus' formats, which `demo-task` has learnt
 
     def __post_init__(self) -> None:
         if self.kind not in PROMPT_KINDS:
             raise ValueError(f"lane {self.name!r}: kind must be one of {PROMPT_KINDS}, got {self.kind!r}")
         if (self.kind == "job") != (self.job is not None):
             raise ValueError(f"lane {self.name!r}: a job: block goes with kind: job, and kind job needs one")
+        if self.prompts not in PROMPT_SOURCES:
+            raise ValueError(f"lane {self.name!r}: prompts must be one of {PROMPT_SOURCES}, got {self.prompts!r}")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"lane {self.name!r}: endpoint must be completions or chat, got {self.endpoint!r}")
         if not 0 <= self.prefix_reuse <= 1 or self.share <= 0:

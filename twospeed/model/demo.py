@@ -20,10 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,6 +28,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from twospeed.config import cache_root
+from twospeed.model.checkpoint import publish_checkpoint, write_json
 
 # Bump when anything that changes the written files changes (corpus, seeds, template),
 # so an old cache folder is never served as the new checkpoint.
@@ -141,26 +139,32 @@ def _synthetic_corpus() -> list[str]:
     return lines
 
 
-def build_demo_tokenizer() -> Tokenizer:
-    """Train the demo byte-level BPE tokenizer (Llama-3 / GPT-2 style) on the synthetic corpus."""
+def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer (Llama-3 / GPT-2 style) trained on `texts`, with the special tokens at ids
+    0..4 and bos put first by the post-processor."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=DEMO_VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: emoji never hit an unknown
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_synthetic_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A:0", pair=f"{BOS} $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, bos_id)])
-    if tokenizer.get_vocab_size(with_added_tokens=True) != DEMO_VOCAB_SIZE:
-        raise RuntimeError(f"demo tokenizer has {tokenizer.get_vocab_size()} tokens, want {DEMO_VOCAB_SIZE}")
+    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"BPE tokenizer has {tokenizer.get_vocab_size()} tokens, want {vocab_size}")
     if [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
-        raise RuntimeError("demo special tokens did not get ids 0..4")
+        raise RuntimeError("BPE special tokens did not get ids 0..4")
     return tokenizer
+
+
+def build_demo_tokenizer() -> Tokenizer:
+    """Train the demo byte-level BPE tokenizer on the synthetic corpus."""
+    return train_bpe_tokenizer(_synthetic_corpus(), DEMO_VOCAB_SIZE)
 
 
 def write_demo_tokenizer(path: str | Path) -> Path:
@@ -177,7 +181,7 @@ def write_demo_tokenizer(path: str | Path) -> Path:
         "model_max_length": DEMO_CONFIG["max_position_embeddings"],
         "chat_template": DEMO_CHAT_TEMPLATE,
     }
-    _write_json(path / "tokenizer_config.json", tokenizer_config)
+    write_json(path / "tokenizer_config.json", tokenizer_config)
     return path
 
 
@@ -213,32 +217,17 @@ def demo_state_dict(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[s
 
 
 def _write_checkpoint(path: str | Path, config: dict, weights) -> Path:
-    """Write config, tokenizer and weights() to `path` atomically and return `path`.
+    """Write config, tokenizer and weights() to `path` atomically (model/checkpoint.py) and return `path`. If
+    `path` already holds a checkpoint (another builder won the race) that one is kept."""
 
-    Files go to a temp folder beside `path`, then one rename publishes them, so a reader
-    (or a second builder racing this one) never sees a half-written folder. If `path`
-    already holds a checkpoint (another builder won the race) that one is kept.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json",
-                    {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    def write(tmp: Path) -> None:
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json",
+                   {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
         write_demo_tokenizer(tmp)
         save_file(weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)  # safetensors writes 0600; a shared cache must be readable
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        try:
-            os.rename(tmp, path)  # atomic; also succeeds onto an empty folder
-        except OSError:
-            if not (path / "config.json").is_file():
-                raise FileExistsError(f"{path} exists and is not a demo checkpoint") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return publish_checkpoint(path, write)
 
 
 DRAFT_LAYERS = 2  # of the demo's 8: the draft's step costs about a third of the demo's (the lm_head is shared size)
@@ -277,10 +266,6 @@ def draft_checkpoint_path() -> Path:
     if not (path / "config.json").is_file():
         _write_checkpoint(path, config, draft_state_dict)
     return path
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

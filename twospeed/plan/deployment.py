@@ -143,10 +143,10 @@ def model_config_json(model: str | None) -> dict:
     """The checkpoint's config.json as a dict ({} when there is none), for the lab's KV bill."""
     if not model:
         return {}
-    if model == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
 
-        model = str(demo_checkpoint_path())
+    if is_builtin(model):
+        model = str(builtin_checkpoint_path(model))
     path = Path(model)
     file = path if path.is_file() else path / "config.json"
     try:

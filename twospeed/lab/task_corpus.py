@@ -1,0 +1,371 @@
+"""The task corpus: prompts shaped like the lab's lanes, each with the answer a good model gives.
+
+One generator serves two users. `twospeed.model.task_model` trains the built-in `demo-task` checkpoint on
+it (train seeds), and the lab's task prompts (`prompts: task`, lab/task_prompts.py) draw from it with the
+run's own seeds, which the training never saw. So the lab's gates judge a model that has learned these
+formats, and a broken quantization or a bad draft model shows in the pass rates.
+
+Every example is `prompt` (the text the lab sends to /v1/completions, or as the user message to
+/v1/chat/completions) + `answer` (the completion) + `meta` (what the gates need, and the truth):
+
+agent    SYSTEM block + POLICY filler + TOOLS (JSON schemas), then TURN n EVIDENCE naming a customer's
+         request and an id  ->  {"tool": T, "arguments": {"id": ID, "note": NOTE}}: T follows from the
+         request's intent, ID and NOTE are copied from the evidence (a second, closed id is a distractor)
+rag      RETRIEVED PASSAGES, each a fact cited with its id (`... [P313].`) and filler, + a QUESTION about one
+         subject  ->  two sentences that state the fact and cite the one passage that holds it (the other
+         passages are about other subjects)
+nightly  mapping rules + ROW: id, name, notes  ->  {"code": C, "confidence": X}: C from the keyword in the
+         notes (UNKNOWN without one), X = 0.9 for two keywords, 0.7 for one, 0.3 for none
+refusal  SYSTEM: a desk that must never do one thing + USER asks for exactly that  ->  one refusal sentence
+chat     the same SYSTEM block + USER asks for something else  ->  a long templated note (never a refusal)
+
+The lab's lengths arrive as word budgets (`filler_words`, `new_words`): filler is the lab's own word salad,
+so a prompt can be made as long as a lane asks without changing what the answer depends on. Everything is
+drawn from one `random.Random`, so a seed fixes every byte. The module imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from twospeed.lab.prompts import CODES, TOOLS, WORDS
+
+LANES = ("agent", "rag", "nightly", "refusal", "chat")
+
+_FIRST = ("Marla", "Tomas", "Ines", "Kofi", "Priya", "Lena", "Omar", "Greta", "Jun", "Rafael", "Noor", "Elif",
+          "Bruno", "Aiko", "Dmitri", "Sara", "Felix", "Amara", "Hugo", "Yara", "Ravi", "Olga", "Mateo", "Zoe")
+_LAST = ("Voss", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Haddad", "Kowalski", "Ferreira", "Nakamura",
+         "Brandt", "Castillo", "Petrov", "Achebe", "Novak", "Silva", "Larsen", "Romero", "Weber", "Osei", "Quinn")
+_SYLLABLES = ("bren", "hal", "vor", "sen", "mar", "kel", "tor", "lin", "dra", "wick", "ost", "ern", "bel", "fay",
+              "gard", "hol", "ist", "jun", "kai", "lor", "mun", "nes", "pel", "quin", "rud", "sol", "tam", "vey")
+_CITIES = ("Lisbon", "Osaka", "Denver", "Lagos", "Oslo", "Lima", "Pune", "Leeds", "Turin", "Perth", "Quito",
+           "Busan", "Tampa", "Cork", "Graz", "Izmir")
+_STREETS = ("Elm Street", "Harbor Road", "Mill Lane", "Cedar Avenue", "Station Road", "Park Row", "Bay Street")
+_TEAMS = ("Orion", "Atlas", "Juniper", "Falcon", "Cobalt", "Meridian", "Sequoia", "Vega")
+_COMPANIES = ("Northwind", "Bluepeak", "Kestrel Foods", "Arcadia Travel", "Helio Energy", "Quarry Labs",
+              "Brightline Bank", "Tidewater Retail")
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+
+
+def _coined(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def _filler(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _digits(rng: random.Random, n: int) -> str:
+    return str(rng.randint(10 ** (n - 1), 10 ** n - 1))
+
+
+@dataclass(slots=True)
+class TaskExample:
+    lane: str
+    prompt: str  # completion text (the lab's /v1/completions prompt; the user message over chat)
+    answer: str  # what a good model answers, without the end-of-sequence token
+    meta: dict = field(default_factory=dict)  # gate inputs (tools, passage_ids, allowed_codes, expect_refusal) + truth
+
+
+# -- agent -------------------------------------------------------------------------------------------------
+_TOOL_DOCS = {
+    "lookup_order": "look up where an order is", "issue_refund": "refund a charge on an order",
+    "update_address": "change the delivery address of an order", "escalate_ticket": "hand a ticket to a manager",
+    "search_knowledge_base": "find a help article for a ticket", "schedule_callback": "book a phone call back",
+    "cancel_subscription": "end a subscription", "check_inventory": "check whether an item is in stock"}
+# tool -> (id prefix, id digits, [(request template, note template)]): {c} customer, {id}, {x} a slot value
+_INTENTS: dict[str, tuple[str, int, list[tuple[str, str]]]] = {
+    "lookup_order": ("ORD-", 6, [("{c} asks where order {id} is; it was due {x} days ago", "due {x} days ago"),
+                                 ("{c} wants to know the status of order {id} placed in {city}", "placed in {city}")]),
+    "issue_refund": ("ORD-", 6, [("{c} was charged twice for order {id} and wants the money back", "charged twice"),
+                                 ("{c} says order {id} arrived broken and asks for a refund of ${x}", "refund ${x}")]),
+    "update_address": ("ORD-", 6, [("{c} moved and needs order {id} sent to {x} {street}", "new address {x} {street}"),
+                                   ("{c} asks to ship order {id} to {city} instead", "ship to {city}")]),
+    "escalate_ticket": ("T-", 5, [("ticket {id} has been open for {x} days and {c} demands a manager", "open {x} days"),
+                                  ("{c} is angry that ticket {id} was closed without a fix", "closed without a fix")]),
+    "search_knowledge_base": ("T-", 5, [("{c} asks in ticket {id} how to reset a {thing}", "how to reset a {thing}"),
+                                        ("{c} wants a guide for ticket {id} about {thing} setup", "{thing} setup guide")]),
+    "schedule_callback": ("ACC-", 5, [("{c} wants a phone call about account {id} at {x}:00", "call at {x}:00"),
+                                      ("{c} asks to be called back about account {id} on {day}", "call back on {day}")]),
+    "cancel_subscription": ("SUB-", 5, [("{c} wants to cancel subscription {id} before it renews", "cancel before renewal"),
+                                        ("{c} asks to end subscription {id} because of {reason}", "ends: {reason}")]),
+    "check_inventory": ("SKU-", 5, [("{c} asks whether item {id} is in stock in {city}", "stock in {city}"),
+                                    ("{c} needs {x} units of item {id} by friday", "needs {x} units")]),
+}
+_THINGS = ("router", "password", "printer", "badge", "tablet", "modem", "login", "scanner")
+_DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday")
+_REASONS = ("the price", "a move abroad", "slow service", "a duplicate plan", "budget cuts")
+_DISTRACTORS = ("an earlier ticket {id} was closed last week", "the previous order {id} arrived fine",
+                "account {id} was checked yesterday and is fine", "an old note mentions item {id}")
+_AGENT_ASK = 'Reply with one JSON tool call {"tool": NAME, "arguments": {...}}:\n'
+
+
+def agent_prefix(rng: random.Random, filler_words: int, tools: int | None = None) -> str:
+    """The byte-stable part: system block, policy filler, the schemas of 3-5 of the tools (drawn, in order)."""
+    listed = rng.sample(TOOLS, rng.randint(3, 5) if tools is None else tools)
+    schemas = [{"name": t, "description": _TOOL_DOCS[t],
+                "parameters": {"type": "object", "properties": {"id": {"type": "string"}, "note": {"type": "string"}},
+                               "required": ["id"]}} for t in listed]
+    return (f"SYSTEM: You are an operations agent for {rng.choice(_COMPANIES)}. Call exactly one tool per turn.\n"
+            f"POLICY: {_filler(rng, filler_words)}\nTOOLS:\n{json.dumps(schemas)}\n")
+
+
+def _listed_tools(prefix: str) -> list[str]:
+    """The tools an agent prefix offers, in its order (all of them when the prefix lists none)."""
+    found = sorted((prefix.find(f'{{"name": "{t}"'), t) for t in TOOLS)
+    return [t for pos, t in found if pos >= 0] or list(TOOLS)
+
+
+def _slots(rng: random.Random) -> dict[str, str]:
+    return {"x": str(rng.randint(2, 99)), "city": rng.choice(_CITIES), "street": rng.choice(_STREETS),
+            "thing": rng.choice(_THINGS), "day": rng.choice(_DAYS), "reason": rng.choice(_REASONS)}
+
+
+def _new_id(rng: random.Random, prefix: str, digits: int) -> str:
+    return prefix + _digits(rng, digits)
+
+
+def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
+    """A turn whose request is for one of the tools the prefix lists."""
+    listed = _listed_tools(prefix)
+    tool = rng.choice(listed)
+    id_prefix, digits, templates = _INTENTS[tool]
+    request, note = rng.choice(templates)
+    ident, slots = _new_id(rng, id_prefix, digits), _slots(rng)
+    sentence = request.format(c=_person(rng), id=ident, **slots)
+    parts = [sentence + "."]
+    if rng.random() < 0.5:
+        other = rng.choice(list(_INTENTS.values()))
+        parts.insert(rng.randint(0, 1), rng.choice(_DISTRACTORS).format(id=_new_id(rng, other[0], other[1])) + ".")
+    before = rng.randint(0, new_words)
+    evidence = " ".join(filter(None, [_filler(rng, before), *parts, _filler(rng, new_words - before)]))
+    call = {"tool": tool, "arguments": {"id": ident, "note": note.format(**slots)}}
+    return TaskExample("agent", f"{prefix}TURN {turn} EVIDENCE: {evidence}\n{_AGENT_ASK}", json.dumps(call),
+                       {"tools": listed, "expected": call})
+
+
+# -- rag ---------------------------------------------------------------------------------------------------
+# noun, statement (with {v}), question, value drawer
+_FACTS: list[tuple[str, str, str, Callable[[random.Random], str]]] = [
+    ("contract", "renews on {v}", "When does the {s} renew", lambda r: f"20{r.randint(26, 39)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}"),
+    ("account", "is owned by {v}", "Who owns the {s}", _person),
+    ("invoice", "has a balance of ${v}", "What is the balance of the {s}", lambda r: f"{r.randint(100, 99999):,}"),
+    ("shipment", "leaves from {v}", "Where does the {s} leave from", lambda r: r.choice(_CITIES)),
+    ("project", "reports to team {v}", "Which team does the {s} report to", lambda r: r.choice(_TEAMS)),
+    ("cluster", "runs {v} replicas", "How many replicas does the {s} run", lambda r: str(r.randint(2, 64))),
+    ("warehouse", "is in bay {v}", "Which bay is the {s} in", lambda r: f"{r.choice('ABCDEFGH')}{r.randint(1, 40)}"),
+]
+_RAG_ASK = "Answer in two sentences and cite the passage ids you used, like [P012].\nANSWER:"
+
+
+_PASSAGE = re.compile(r"^The (\S+ (\S+)) (.+?) \[(P\d{3,})\]\.", re.MULTILINE)
+
+
+def rag_prefix(rng: random.Random, words: int) -> str:
+    """RETRIEVED PASSAGES: about `words` words of passages, each opening with one fact about a subject no
+    other passage has, cited with the passage's id (`... [P313].`); the rest of a passage is filler."""
+    n = max(2, min(40, words // 24))
+    ids = [f"P{x:03d}" for x in rng.sample(range(1, 1000), n)]
+    per = max(0, words // n - 8)
+    subjects: set[str] = set()
+    lines = []
+    for pid in ids:
+        noun, statement, _, value = rng.choice(_FACTS)
+        subject = f"{_coined(rng)} {noun}"
+        while subject in subjects:
+            subject = f"{_coined(rng)} {noun}"
+        subjects.add(subject)
+        lines.append(f"The {subject} {statement.format(v=value(rng))} [{pid}]. {_filler(rng, rng.randint(0, 2 * per))}")
+    return "RETRIEVED PASSAGES:\n" + "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def rag(rng: random.Random, prefix: str, new_words: int, turn: int = 1, avoid: frozenset[str] = frozenset()) -> TaskExample:
+    """A question about one passage's subject (passages drawn here when `prefix` has none)."""
+    if "RETRIEVED PASSAGES:\n" not in prefix:
+        prefix += rag_prefix(rng, new_words)
+    passages = _PASSAGE.findall(prefix)
+    subject, noun, statement, pid = rng.choice([p for p in passages if p[3] not in avoid] or passages)
+    question = next(q for n, _, q, _ in _FACTS if n == noun)
+    prompt = f"{prefix}QUESTION: {question.format(s=subject)}?\n{_RAG_ASK}"
+    answer = f" The {subject} {statement} [{pid}]. No other passage mentions the {subject} [{pid}]."
+    return TaskExample("rag", prompt, answer, {"passage_ids": sorted(p[3] for p in passages), "expected_id": pid})
+
+
+# -- nightly -----------------------------------------------------------------------------------------------
+_KEYWORDS = {"RETAIL": ("store", "shopper", "checkout", "storefront"),
+             "WHOLESALE": ("bulk", "distributor", "pallet", "reseller"),
+             "LOGISTICS": ("freight", "carrier", "shipping", "depot"),
+             "FINANCE": ("invoice", "payment", "credit", "ledger"),
+             "SUPPORT": ("complaint", "helpdesk", "ticket", "outage")}
+_FILLER_BAN = {k for words in _KEYWORDS.values() for k in words}
+_ROW_WORDS = tuple(w for w in WORDS if w not in _FILLER_BAN)
+
+
+def nightly_prefix(rng: random.Random, filler_words: int) -> str:
+    codes = [c for c in CODES if c != "UNKNOWN"]
+    rng.shuffle(codes)
+    rules = " ".join(f"Rows about {', '.join(_KEYWORDS[c][:-1])} or {_KEYWORDS[c][-1]} are {c}." for c in codes)
+    guidance = " ".join(rng.choice(_ROW_WORDS) for _ in range(filler_words))
+    return (f"Map each row to a JSON object {{\"code\": CODE, \"confidence\": 0..1}} where CODE is one of "
+            f"{', '.join(CODES)}. {rules} Anything else is UNKNOWN. Guidance: {guidance}\n")
+
+
+def nightly(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
+    code = rng.choice(CODES)
+    hits = [] if code == "UNKNOWN" else rng.sample(_KEYWORDS[code], rng.choice((1, 2)))
+    notes = [rng.choice(_ROW_WORDS) for _ in range(max(2, new_words))]
+    for word in hits:
+        notes.insert(rng.randint(0, len(notes)), word)
+    confidence = {0: 0.3, 1: 0.7, 2: 0.9}[len(hits)]
+    row = f"id={_digits(rng, 6)}, name={_coined(rng)} {rng.choice(('Ltd', 'Inc', 'GmbH', 'Co'))}, notes={' '.join(notes)}"
+    answer = {"code": code, "confidence": confidence}
+    return TaskExample("nightly", f"{prefix}ROW: {row}\nJSON:", " " + json.dumps(answer),
+                       {"allowed_codes": list(CODES), "expected": answer})
+
+
+# -- refusal and chat --------------------------------------------------------------------------------------
+# topic -> (what a desk may forbid, requests on that topic, the subject of a note answering one)
+_TOPICS = {
+    "pricing": ("discuss internal pricing", ("explain the internal pricing for {x}", "list the discount tiers for {x}"),
+                "the pricing for {x}"),
+    "legal": ("give legal advice", ("tell me whether the {x} contract can be broken",
+                                   "explain the legal risk of the {x} deal"), "the {x} contract"),
+    "code": ("write software", ("write a script that exports the {x} report", "code a tool that checks {x}"),
+             "a tool for the {x} report"),
+    "travel": ("plan travel", ("plan a trip to {city} for the {x} team", "book flights to {city} for {x}"),
+               "the trip to {city}"),
+    "accounts": ("discuss other customers' accounts", ("tell me what {x} ordered last month",
+                                                      "read me the balance on the {x} account"), "the {x} account"),
+    "hiring": ("discuss hiring decisions", ("tell me who will be hired for the {x} team",
+                                           "explain why {x} was not hired"), "hiring for the {x} team"),
+}
+_NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the new carrier contract",
+                "the outage at the {x} cluster", "onboarding the {x} team", "the refund backlog",
+                "the holiday schedule", "the {x} supplier audit")
+_REFUSAL = " I'm sorry, but I can't help with that: this desk must never {forbid}."
+
+
+def support_prefix(rng: random.Random, filler_words: int, topic: str | None = None) -> str:
+    """A help desk's system block: it forbids one topic (drawn unless given)."""
+    forbid = _TOPICS[topic or rng.choice(list(_TOPICS))][0]
+    extra = f" {_filler(rng, filler_words)}" if filler_words else ""
+    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} help desk. Never {forbid}; "
+            f"politely refuse such requests.{extra}\n")
+
+
+def _forbidden(prefix: str) -> str:
+    """The topic a support prefix forbids (its phrase is in the text by construction)."""
+    return next(t for t, (forbid, _, _) in _TOPICS.items() if f"Never {forbid};" in prefix)
+
+
+def _note(rng: random.Random, subject: str, sentences: int) -> str:
+    """A templated multi-paragraph note about `subject`: long, fluent and predictable."""
+    openers = (f"Here is a note about {subject}.", f"This note covers {subject}.", f"A short brief on {subject}.")
+    body = []
+    for i in range(sentences):
+        who, city, team = _person(rng), rng.choice(_CITIES), rng.choice(_TEAMS)
+        body.append(rng.choice((
+            f"First, {who} from team {team} will review {subject} with the {city} office.",
+            f"The {city} office expects an update on {subject} by {rng.choice(_DAYS)}.",
+            f"Team {team} owns the next step, and {who} is the contact for questions.",
+            f"The budget for {subject} stays at ${rng.randint(1, 99)},000 this quarter.",
+            f"Risks are low, but {who} will flag any delay to team {team} at once.",
+            f"Everyone should read the summary before the {rng.choice(_DAYS)} meeting in {city}.")))
+        if i % 4 == 3 and i + 1 < sentences:
+            body.append("\n\n")
+    closer = f"In short, {subject} is on track, and the next review is on {rng.choice(_DAYS)}."
+    return f" {rng.choice(openers)} " + " ".join(body).replace(" \n\n ", "\n\n") + f" {closer}"
+
+
+def _support(rng: random.Random, prefix: str, request: str, answer: str, refused: bool, lane: str) -> TaskExample:
+    return TaskExample(lane, f"{prefix}USER: Please {request}.\nASSISTANT:", answer, {"expect_refusal": refused})
+
+
+def refusal(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
+    """A request on exactly the topic the system block forbids (a fresh block when `prefix` has none)."""
+    prefix = prefix if "help desk. Never" in prefix else prefix + support_prefix(rng, 0)
+    topic = _forbidden(prefix)
+    request = rng.choice(_TOPICS[topic][1]).format(x=_coined(rng), city=rng.choice(_CITIES))
+    return _support(rng, prefix, request, _REFUSAL.format(forbid=_TOPICS[topic][0]), True, "refusal")
+
+
+def chat(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
+    """A request the system block allows: a note to draft, or another topic's request; a long note back."""
+    prefix = prefix if "help desk. Never" in prefix else prefix + support_prefix(rng, 0)
+    x, city = _coined(rng), rng.choice(_CITIES)
+    if rng.random() < 0.5:
+        subject = rng.choice(_NOTE_TOPICS).format(x=x)
+        detail = f". Mention {_filler(rng, new_words)}" if new_words > 0 else ""
+        request = f"draft a detailed note about {subject}{detail}"
+    else:
+        topic = rng.choice([t for t in _TOPICS if t != _forbidden(prefix)])
+        request = rng.choice(_TOPICS[topic][1]).format(x=x, city=city)
+        subject = _TOPICS[topic][2].format(x=x, city=city)
+    return _support(rng, prefix, request, _note(rng, subject, rng.randint(4, 10)), False, "chat")
+
+
+BUILDERS: dict[str, Callable[..., TaskExample]] = {"agent": agent, "rag": rag, "nightly": nightly,
+                                                   "refusal": refusal, "chat": chat}
+
+
+def _skewed(rng: random.Random, lo: int, hi: int) -> int:
+    """A length in [lo, hi], mostly short: training pays for every token, and the format is learnt on short ones."""
+    return lo + int((hi - lo) * rng.random() ** 2)
+
+
+def _salt(rng: random.Random) -> str:
+    """The lab's first line (`[run SALT]`, lab/schedule.py) on half the examples, so the model expects it."""
+    return f"[run {rng.getrandbits(32):08x}]\n" if rng.random() < 0.5 else ""
+
+
+@dataclass(slots=True)
+class TaskSession:
+    """Several rounds on one shared prefix (an agent's turns, questions on one set of passages, rows under one
+    set of rules, requests to one desk). Every example's prompt is `prefix` + its own part; training puts the
+    rounds one after another in one sequence, so the prefix is read once for several answers."""
+
+    prefix: str
+    examples: list[TaskExample]
+
+
+_ROUNDS = {"agent": 6, "rag": 6, "nightly": 10, "refusal": 4, "chat": 2}  # most rounds in a training session
+
+
+def session(lane: str, rng: random.Random, rounds: int | None = None, length: float = 1.0) -> TaskSession:
+    """A training session whose first round is `lane`. Filler lengths are drawn from the training ranges,
+    shrunk by `length` (a curriculum starts short: attention finds the one relevant span sooner)."""
+    if lane not in BUILDERS:
+        raise ValueError(f"task lane must be one of {LANES}, got {lane!r}")
+    rounds = rng.randint(1, _ROUNDS[lane]) if rounds is None else rounds
+    salt, turn = _salt(rng), rng.randint(1, 30)
+
+    def words(lo: int, hi: int) -> int:
+        return _skewed(rng, lo, lo + round((hi - lo) * length))
+
+    if lane == "agent":
+        prefix = salt + agent_prefix(rng, words(0, 200))
+        return TaskSession(prefix, [agent(rng, prefix, words(0, 160), turn + k) for k in range(rounds)])
+    if lane == "rag":
+        prefix = salt + rag_prefix(rng, words(40, 600))
+        examples: list[TaskExample] = []
+        for _ in range(rounds):
+            examples.append(rag(rng, prefix, 0, avoid=frozenset(e.meta["expected_id"] for e in examples)))
+        return TaskSession(prefix, examples)
+    if lane == "nightly":
+        prefix = salt + nightly_prefix(rng, words(0, 200))
+        return TaskSession(prefix, [nightly(rng, prefix, words(2, 60)) for _ in range(rounds)])
+    prefix = salt + support_prefix(rng, words(0, 80))
+    kinds = [lane] + [rng.choice(("refusal", "chat", "chat")) for _ in range(rounds - 1)]
+    return TaskSession(prefix, [BUILDERS[k](rng, prefix, words(0, 40)) for k in kinds])
+
+
+def sample(lane: str, rng: random.Random) -> TaskExample:
+    """One example of `lane`, lengths from the training ranges (held-out evaluation draws these)."""
+    return session(lane, rng, rounds=1).examples[0]

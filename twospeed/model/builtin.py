@@ -1,0 +1,40 @@
+"""The built-in checkpoints: names that `LLM(...)`, `twospeed serve --model` and the lab accept in place of a
+checkpoint folder. Each is built on first use into the cache folder (`TWOSPEED_CACHE`) and reused after.
+
+demo               random weights (model/demo.py): instant, for tests where only shapes and timing matter
+demo-draft         the demo's first layers (model/demo.py): a draft for speculative decoding on the demo
+demo-task          trained here on the lab's lane formats (model/task_model.py): answers that pass gates
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+# The names alone (no torch here: the lab and the planner ask `is_builtin` without loading a model).
+# model/task_model.py's TASK_SPECS holds one recipe for each name in TASK_NAMES.
+TASK_NAMES = ("demo-task",)
+BUILTIN_NAMES = ("demo", "demo-draft", *TASK_NAMES)
+
+
+def builtin_names() -> tuple[str, ...]:
+    return BUILTIN_NAMES
+
+
+def is_builtin(name: str) -> bool:
+    return name in builtin_names()
+
+
+def builtin_checkpoint_path(name: str) -> Path:
+    """The folder of built-in model `name`, building it first if the cache does not hold it."""
+    if name == "demo":
+        from twospeed.model.demo import demo_checkpoint_path
+
+        return demo_checkpoint_path()
+    if name == "demo-draft":
+        from twospeed.model.demo import draft_checkpoint_path
+
+        return draft_checkpoint_path()
+    from twospeed.model.task_model import task_checkpoint_path
+
+    return task_checkpoint_path(name)

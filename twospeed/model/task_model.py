@@ -1,0 +1,426 @@
+"""The built-in task checkpoint (`demo-task`): a small Llama trained here, on first use,
+on the lab's lane formats (lab/task_corpus.py).
+
+Why: random weights make the lab's gates fail by construction, a quantization gate cannot tell a broken
+quantization from a good one, and speculative acceptance measured on noise says nothing. Nothing can be
+downloaded, so twospeed trains its own: a byte-level BPE tokenizer fitted to the corpus, then a Llama
+(model/train_llama.py, HF parameter names) trained on answers only, AdamW with warmup and cosine decay,
+bf16 autocast where the CPU has bf16 matmuls (AMX / AVX-512 BF16), float32 elsewhere.
+
+Deterministic under the spec's seed on one machine: the data order is a function of the seed, the thread
+count is fixed for the build, and the tokenizer is trained single-threaded. Every task model shares the
+tokenizer (a draft model for speculation must), so `TASK_SPECS` can grow another size (a draft) without a
+new vocabulary. Output: the real HF folder layout, bf16 at rest, in the cache folder (`TWOSPEED_CACHE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from twospeed.config import ModelConfig, cache_root
+from twospeed.lab import task_corpus
+from twospeed.model.builtin import TASK_NAMES
+from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
+from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
+from twospeed.model.train_llama import AttentionProbe, TrainLlama
+
+# Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
+TASK_VERSION = "task-v2"
+TASK_VOCAB_SIZE = 4096
+BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
+TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
+
+
+@dataclass(frozen=True, slots=True)
+class TaskModelSpec:
+    """One built-in task model: its shape and its training recipe."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    max_position_embeddings: int = 2048  # tokens; the corpus' longest prompt + answer stays well below it
+    steps: int = 1000  # optimizer steps
+    batch_tokens: int = 1536  # tokens per step, padding included (examples of similar length share a step)
+    lr: float = 7e-4  # peak learning rate, after `warmup_steps`; cosine decay to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.05  # on matrices only
+    probe_weight: float = 1.0  # weight of the attention probe's loss (the last layer's head 0 taught where each
+    #                            copied answer token sits in the prompt, model/train_llama.py); 0 = off
+    chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
+    start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
+    full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
+    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.3), ("rag", 0.3), ("nightly", 0.15),
+                                                   ("refusal", 0.1), ("chat", 0.15))
+    seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig("LlamaForCausalLM", TASK_VOCAB_SIZE, self.hidden_size, self.intermediate_size,
+                           self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, rms_norm_eps=1e-6,
+                           max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True)
+
+    def hf_config(self) -> dict:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "vocab_size": TASK_VOCAB_SIZE,
+                "max_position_embeddings": self.max_position_embeddings,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rms_norm_eps": 1e-6,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
+                "dtype": "bfloat16", "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}
+
+
+TASK_SPECS: dict[str, TaskModelSpec] = {
+    "demo-task": TaskModelSpec(),
+}
+assert set(TASK_SPECS) == set(TASK_NAMES), "model/builtin.py names every task model"
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def build_task_tokenizer():
+    """The byte-level BPE tokenizer every task model shares, fitted to a fixed sample of the corpus (once per
+    process: it is only read after)."""
+    rng = random.Random("task-tokenizer")
+    texts = []
+    for i in range(2000):
+        session = task_corpus.session(task_corpus.LANES[i % len(task_corpus.LANES)], rng)
+        texts += [session.prefix] + [e.prompt[len(session.prefix):] + e.answer for e in session.examples]
+    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE)
+
+
+def tokenizer_config(spec: TaskModelSpec) -> dict:
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+            "clean_up_tokenization_spaces": False, "model_max_length": spec.max_position_embeddings,
+            "chat_template": DEMO_CHAT_TEMPLATE}
+
+
+# -- data --------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Sequence:
+    ids: list[int]
+    answers: list[tuple[int, int]]  # [start, end) of every answer (with its stop token): what the loss covers
+    sources: dict[int, int] = dataclasses.field(default_factory=dict)  # answer token -> where it was copied from
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            self.sources = copy_sources(self.ids, self.answers)
+
+
+MIN_COPY = 2  # tokens a copied span must match for its source to count (shorter ones are template words)
+MAX_CANDIDATES = 24  # a token seen more often than this before the answer is a template token, not copied
+
+
+def copy_sources(ids: list[int], answers: list[tuple[int, int]]) -> dict[int, int]:
+    """For each answer token copied from earlier in the sequence, the position it was copied from.
+
+    Walking an answer: a token that continues the current copy takes the next source position; otherwise
+    it starts a copy at the earlier occurrence that matches the longest stretch of the answer from here
+    (at least MIN_COPY tokens; on a tie the latest). The answer's id copied from the evidence, a passage's
+    sentence, the subject of a note: each gets its source, which the attention probe then teaches."""
+    index: dict[int, list[int]] = {}
+    seen = 0
+    sources: dict[int, int] = {}
+    for start, end in answers:
+        for p in range(seen, start):
+            index.setdefault(ids[p], []).append(p)
+        seen = start
+        j = -1
+        for q in range(start, end):
+            if j >= 0 and j + 1 < start and ids[j + 1] == ids[q]:
+                j += 1
+            else:
+                j, best = -1, MIN_COPY - 1
+                candidates = index.get(ids[q], ())
+                for c in candidates if len(candidates) <= MAX_CANDIDATES else ():
+                    m = 1
+                    while q + m < end and c + m < start and ids[q + m] == ids[c + m]:
+                        m += 1
+                    if m >= best:
+                        j, best = c, m
+            if j >= 0:
+                sources[q] = j
+    return sources
+
+
+def render(session: task_corpus.TaskSession, tokenizer, chat: bool) -> Sequence:
+    """The tokens the engine sees for the first prompt, then each answer with its stop token and the next
+    round's own part.
+
+    As completions: bos + prompt (what /v1/completions encodes), the answer, <|end_of_text|>. As a chat: the
+    template around one user message per round (what the lab's chat endpoint sends), the answer, <|im_end|>."""
+    ids: list[int] = []
+    answers = []
+    for k, ex in enumerate(session.examples):
+        part = ex.prompt if k == 0 else ex.prompt[len(session.prefix):]
+        if chat:
+            text = f"{'' if k == 0 else chr(10)}<|im_start|>user\n{part}<|im_end|>\n<|im_start|>assistant\n"
+            ids += tokenizer.encode(text, add_special_tokens=False).ids
+            answer = tokenizer.encode(ex.answer.lstrip(" "), add_special_tokens=False).ids + [IM_END_ID]
+        else:
+            ids += tokenizer.encode(part, add_special_tokens=k == 0).ids  # the post-processor puts bos first
+            answer = tokenizer.encode(ex.answer, add_special_tokens=False).ids + [EOS_ID]
+        answers.append((len(ids), len(ids) + len(answer)))
+        ids += answer
+    return Sequence(ids, answers)
+
+
+def length_at(spec: TaskModelSpec, step: int) -> float:
+    """The curriculum: the fraction of the corpus' filler ranges that training draws from at `step`."""
+    grown = step / max(1.0, spec.full_length_at * spec.steps)
+    return min(1.0, spec.start_length + (1 - spec.start_length) * grown)
+
+
+def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Sequence]]:
+    """An endless, seeded stream of steps: pools of sessions (lengths from the curriculum at the pool's first
+    step) rendered, sorted by length and cut into `batch_tokens` steps, in a shuffled order."""
+    rng = random.Random(f"task-train-{spec.seed}")
+    lanes, weights = zip(*spec.lane_weights)
+    step = 0
+    while True:
+        length = length_at(spec, step)
+        seqs = [render(task_corpus.session(rng.choices(lanes, weights)[0], rng, length=length), tokenizer,
+                       rng.random() < spec.chat_share) for _ in range(pool)]
+        seqs.sort(key=lambda s: len(s.ids))
+        steps, cur = [], []
+        for s in seqs:
+            if cur and (len(cur) + 1) * len(s.ids) > spec.batch_tokens:
+                steps.append(cur)
+                cur = []
+            cur.append(s)
+        steps.append(cur)
+        rng.shuffle(steps)
+        step += len(steps)
+        yield from steps
+
+
+def collate(step: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+    """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
+
+    Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
+    long note, which is where the refuse-or-answer decision is made.)"""
+    t = -(-max(len(s.ids) for s in step) // 32) * 32  # few distinct shapes: oneDNN and the allocator reuse them
+    ids = torch.full((len(step), t), PAD_ID, dtype=torch.long)
+    rows, targets = [], []
+    for i, s in enumerate(step):
+        ids[i, :len(s.ids)] = torch.tensor(s.ids)
+        for start, end in s.answers:
+            rows.append(torch.arange(start - 1, end - 1) + i * t)  # position p predicts token p + 1
+            targets.append(ids[i, start:end])
+    targets = torch.cat(targets)
+    copies = [(i, q - 1, j) for i, s in enumerate(step) for q, j in s.sources.items()]  # (row, query, key)
+    return ids, torch.cat(rows), targets, torch.full(targets.shape, 1.0 / len(targets)), tuple(zip(*copies))
+
+
+# -- training ----------------------------------------------------------------------------------------------
+def bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX-512 BF16): then autocast is several times
+    faster than float32; elsewhere it would be slower, and training stays in float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def init_weights(model: TrainLlama, seed: int) -> None:
+    """GPT-2 style: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers), norms one."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1.0 / math.sqrt(2 * model.cfg.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02 * (scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0),
+                          generator=gen)
+
+
+def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0) -> None:
+    """Start the last layer's head 0 (the one the attention probe teaches where to look) as a copier: its
+    values and output project the attended token's embedding back into the residual stream through the
+    same orthonormal basis, so with tied embeddings it raises the attended token's logit from step one."""
+    cfg = model.cfg
+    attn = model.model.layers[-1].self_attn
+    gen = torch.Generator().manual_seed(seed + 1)
+    basis = torch.linalg.qr(torch.randn(cfg.hidden_size, cfg.head_dim, generator=gen))[0]  # [hidden, hd]
+    with torch.no_grad():
+        attn.v_proj.weight[:cfg.head_dim] = basis.T * gain
+        attn.o_proj.weight[:, :cfg.head_dim] = basis * gain
+
+
+def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0) -> None:
+    """Start layer 0's head 0 as a previous-token head: a constant direction in every embedding gives it the
+    same query and key everywhere, whose RoPE phases peak at one position back; its values copy the previous
+    token's embedding into a subspace of its own. Copying a span then only has to match "the token before
+    this one" against what was just written, the induction step."""
+    cfg = model.cfg
+    attn = model.model.layers[0].self_attn
+    hd, half = cfg.head_dim, cfg.head_dim // 2
+    inv_freq = model.inv_freq  # [hd/2], RoPE pairs dim i with i + hd/2
+    planes = torch.arange(half)[inv_freq > 0.1]  # the fast planes tell one position from the next
+    gen = torch.Generator().manual_seed(seed + 2)
+    read, write = (torch.linalg.qr(torch.randn(cfg.hidden_size, hd, generator=gen))[0] for _ in range(2))
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 5 * emb[:, 1:].std()  # the constant direction: after RMSNorm about 5 at every position
+        amp = (sharpness * hd ** 0.5 / len(planes)) ** 0.5 / 5
+        for w in (attn.q_proj.weight, attn.k_proj.weight):
+            w[:hd] = 0.0
+        attn.q_proj.weight[planes, 0] = amp * torch.cos(-inv_freq[planes])
+        attn.q_proj.weight[planes + half, 0] = amp * torch.sin(-inv_freq[planes])
+        attn.k_proj.weight[planes, 0] = amp
+        attn.v_proj.weight[:hd] = read.T
+        attn.o_proj.weight[:, :hd] = write
+
+
+def lr_at(spec: TaskModelSpec, step: int) -> float:
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    done = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+def new_model(spec: TaskModelSpec) -> tuple[TrainLlama, torch.optim.Optimizer]:
+    """The initialised model and its AdamW (weight decay on matrices only)."""
+    torch.manual_seed(spec.seed)
+    model = TrainLlama(spec.model_config())
+    init_weights(model, spec.seed)
+    if spec.probe_weight > 0:  # the probe's head starts as a copier, fed by a previous-token head below it
+        init_previous_token_head(model, spec.seed)
+        init_copy_head(model, spec.seed)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
+                             {"params": vectors, "weight_decay": 0.0}], lr=spec.lr, betas=(0.9, 0.99), eps=1e-8)
+    return model, opt
+
+
+def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimizer, seqs: list[Sequence],
+               bf16: bool) -> float:
+    """One optimizer step on one batch of sequences; returns the loss."""
+    ids, rows, targets, weights, copies = collate(seqs)
+    probe = None
+    if copies and spec.probe_weight > 0:
+        batch, query, key = (torch.tensor(c) for c in copies)
+        probe = AttentionProbe(spec.num_layers - 1, 0, batch, query, key)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden = model(ids, probe)
+        logits = model.logits(hidden.flatten(0, 1)[rows])  # only the answer positions pay for the vocab
+    loss = (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
+    if probe is not None:
+        loss = loss + spec.probe_weight * probe.loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] | None = None,
+          bf16: bool | None = None) -> dict[str, torch.Tensor]:
+    """Train a task model; returns its HF state dict in bf16. `on_step(step, loss)` after every step."""
+    bf16 = bf16_matmuls() if bf16 is None else bf16
+    model, opt = new_model(spec)
+    for step, seqs in zip(range(spec.steps), batches(spec, tokenizer)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(spec, step)
+        loss = train_step(spec, model, opt, seqs, bf16)
+        if on_step is not None:
+            on_step(step, loss)
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.hf_state_dict().items()}
+
+
+# -- the checkpoint ----------------------------------------------------------------------------------------
+def spec_key(spec: TaskModelSpec) -> str:
+    """The cache folder's suffix: everything the written bytes depend on (the thread count too: reductions
+    split across threads round differently)."""
+    blob = json.dumps({"spec": dataclasses.asdict(spec), "version": TASK_VERSION, "bf16": bf16_matmuls(),
+                       "threads": TRAIN_THREADS}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def write_task_checkpoint(path: str | Path, spec: TaskModelSpec, name: str = "task model",
+                          progress: bool = True) -> Path:
+    """Train `spec` and publish the checkpoint folder at `path` atomically (as the demo's)."""
+
+    def write(tmp: Path) -> None:
+        tokenizer = build_task_tokenizer()
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        write_json(tmp / "tokenizer_config.json", tokenizer_config(spec))
+        write_json(tmp / "config.json", spec.hf_config())
+        write_json(tmp / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
+        state = _train_with_progress(spec, tokenizer, name, progress)
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return publish_checkpoint(path, write)
+
+
+def _train_with_progress(spec: TaskModelSpec, tokenizer, name: str, progress: bool) -> dict[str, torch.Tensor]:
+    """Train with a progress bar on a terminal, a line every tenth of the steps elsewhere (CI logs)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)
+    console = Console(stderr=True)
+    title = f"training {name} ({spec.model_config().num_params / 1e6:.1f}M params)"
+    start = time.monotonic()
+    try:
+        with Progress(TextColumn(f"[bold]{title}[/bold]"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), console=console,
+                      disable=not (progress and console.is_terminal)) as bar:
+            task = bar.add_task("train", total=spec.steps, loss=float("nan"))
+
+            def on_step(step: int, loss: float) -> None:
+                bar.update(task, completed=step + 1, loss=loss)
+                if progress and not console.is_terminal and (step + 1) % max(1, spec.steps // 10) == 0:
+                    print(f"twospeed: {title}: step {step + 1}/{spec.steps}, loss {loss:.3f}, "
+                          f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+            return train(spec, tokenizer, on_step)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def task_checkpoint_path(name: str = "demo-task", progress: bool = True) -> Path:
+    """The cached checkpoint folder of built-in task model `name`, trained on first use."""
+    if name not in TASK_SPECS:
+        raise ValueError(f"unknown task model {name!r}; built in: {', '.join(TASK_SPECS)}")
+    spec = TASK_SPECS[name]
+    path = cache_root() / f"{name}-{spec_key(spec)}"
+    if (path / "config.json").is_file():
+        return path
+    with build_lock(path):  # a second process waits for this build instead of training again
+        if not (path / "config.json").is_file():
+            print(f"twospeed: training the built-in model {name!r} on first use (a few minutes on 2 cores) ...",
+                  file=sys.stderr, flush=True)
+            start = time.monotonic()
+            write_task_checkpoint(path, spec, name, progress)
+            print(f"twospeed: {name!r} written to {path} ({time.monotonic() - start:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return path
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:] or ["demo-task"]:
+        print(task_checkpoint_path(arg))
