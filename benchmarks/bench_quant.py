@@ -226,8 +226,9 @@ def main() -> int:
     ap.add_argument("--gguf", help="llama.cpp q8_0 GGUF of the same checkpoint")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--prompt-tokens", type=int, default=Config.prompt_tokens, help="batch-1 prompt length")
-    ap.add_argument("--output-tokens", type=int, default=Config.output_tokens, help="batch-1 answer length")
+    ap.add_argument("--prompt-tokens", type=int, default=Config.__dataclass_fields__["prompt_tokens"].default, help="batch-1 prompt length")
+    ap.add_argument("--output-tokens", type=int, default=Config.__dataclass_fields__["output_tokens"].default,
+                    help="batch-1 answer length")
     ap.add_argument("--parts", default="1,2,3,rows", help="which parts to run, e.g. 1,3 (rows: the int8 kernels' "
                     "crossover)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: the demo model, tiny sizes, no HTTP part")

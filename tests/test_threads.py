@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from twospeed.engine.threads import YIELD_AT, CpuSample, ThreadGovernor, read_sample
+from twospeed.engine.threads import CONFIRM_WINDOWS, YIELD_AT, CpuSample, ThreadGovernor, read_sample
 
 
 class FakeMachine:
@@ -26,9 +26,9 @@ class FakeMachine:
         return self.now
 
 
-def governor(max_threads=2, interval=0.5):
+def governor(max_threads=2, interval=0.5, confirm=1):
     machine, calls = FakeMachine(), []
-    return ThreadGovernor(max_threads, calls.append, interval=interval, sample=machine), machine, calls
+    return ThreadGovernor(max_threads, calls.append, interval=interval, confirm=confirm, sample=machine), machine, calls
 
 
 @pytest.mark.parametrize("others,want", [(0.0, 2), (YIELD_AT - 0.01, 2), (YIELD_AT + 0.01, 1), (0.67, 1), (1.0, 1),
@@ -56,6 +56,18 @@ def test_back_to_all_threads_when_the_co_tenant_leaves_and_no_change_within_a_wi
     assert gov.tick() == 1
     machine.run(0.4, 0.0, own=1.0)  # a whole window alone (one thread busy)
     assert gov.tick() == 2
+    assert calls == [1, 2] and gov.changes == 2
+
+
+def test_a_passing_burst_changes_nothing_a_sustained_load_does():
+    """With the default confirmation, one busy window (a client starting) keeps the threads; three in a row yield
+    one, and three quiet ones in a row give it back."""
+    gov, machine, calls = governor(confirm=CONFIRM_WINDOWS)
+    assert CONFIRM_WINDOWS == 3
+    for others, want in ((1.0, 2), (0.0, 2), (1.0, 2), (1.0, 2), (1.0, 1), (0.0, 1), (1.0, 1), (0.0, 1), (0.0, 1),
+                         (0.0, 2)):
+        machine.run(0.6, others)
+        assert gov.tick() == want, (others, calls)
     assert calls == [1, 2] and gov.changes == 2
 
 

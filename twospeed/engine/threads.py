@@ -10,8 +10,11 @@ every region would pay a futex wake-up even on idle cores.
 `ThreadGovernor` samples, at most every `interval` seconds, the CPU time the whole machine spent busy
 (/proc/stat) minus this process's own (all of its threads: the engine, the HTTP loop, the tokenizer pool),
 which is what other processes took, in cores. It sets the thread count to the cores they leave free (at least
-one, at most the configured count) and raises it again when they go. Without /proc (not Linux) it keeps the
-configured count. No torch here: the thread setter is passed in, so tests drive the rule with fake readings.
+one, at most the configured count) and raises it again when they go, but only once the same count has been
+wanted for `confirm` windows in a row: a change of thread count is not free (oneDNN's primitives, AMX tile
+configurations and the OpenMP team are rebuilt for the new count; a prefill that straddled a change took 15x
+its time on an AMX CPU), so a passing burst (a client starting, a compiler) must not flip it. Without /proc
+(not Linux) it keeps the configured count. No torch here: the thread setter is passed in, so tests drive the rule with fake readings.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dataclasses import dataclass
 
 # Other processes' load (in cores) at which one of our threads gives its core up: a co-tenant that keeps a
 # core busy half of the time already makes the thread on that core miss most barriers.
-YIELD_AT = 0.35
+YIELD_AT = 0.5
+CONFIRM_WINDOWS = 3  # windows in a row that must want the same new count before it is set
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # /proc/stat cpu columns: user nice system irq softirq steal (not idle, iowait)
 
 
@@ -59,13 +63,15 @@ class ThreadGovernor:
     """Called once per engine step; changes the step's thread count only when other processes' load moved."""
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None], *, interval: float = 0.5,
-                 sample: Callable[[], CpuSample | None] = read_sample):
+                 confirm: int = CONFIRM_WINDOWS, sample: Callable[[], CpuSample | None] = read_sample):
         self.max_threads = max(1, max_threads)
         self.threads = self.max_threads
         self.others = 0.0  # cores other processes used over the last window
         self._set, self._sample, self.interval = set_threads, sample, interval
         self._last = sample()
         self.changes = 0
+        self.confirm = max(1, confirm)
+        self._pending, self._seen = self.max_threads, 0  # the count the last windows wanted, and for how many
 
     def tick(self) -> int:
         """Re-read the load if a window has passed; returns the thread count the next step should use."""
@@ -79,7 +85,9 @@ class ThreadGovernor:
         self._last = now
         # each whole core of others' load, and a part of one from YIELD_AT up, costs one thread
         want = max(1, self.max_threads - int(self.others + (1 - YIELD_AT)))
-        if want != self.threads:
+        self._seen = self._seen + 1 if want == self._pending else 1
+        self._pending = want
+        if want != self.threads and self._seen >= self.confirm:
             self.threads = want
             self.changes += 1
             self._set(want)
