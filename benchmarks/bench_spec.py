@@ -117,7 +117,10 @@ def vllm_server(plan: Plan, config: str, model: Path):
         spec = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": plan.gamma,
                                                     "prompt_lookup_min": plan.lookup_min,
                                                     "prompt_lookup_max": plan.lookup_max})]
-    settings = dataclasses.replace(SETTINGS, vllm_args=[*SETTINGS.vllm_args, *spec])
+    # vLLM refuses a max_model_len past the checkpoint's positions (the task model has 2048, the peers' 4096)
+    positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    settings = dataclasses.replace(SETTINGS, vllm_args=[*SETTINGS.vllm_args, *spec],
+                                   max_model_len=min(SETTINGS.max_model_len, positions or SETTINGS.max_model_len))
     return serve("vllm", "bf16", settings, model=model)  # its log: .work/logs/vllm-bf16.log
 
 
