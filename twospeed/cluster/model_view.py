@@ -11,11 +11,11 @@ multi-node cluster, the folder must be at the same path on every node, as the re
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twospeed.config import EngineConfig, ModelConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
-from twospeed.engine.engine import LLMEngine
+from twospeed.engine.engine import EngineMemory, LLMEngine
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class ReplicaFacts:
     num_blocks: int  # its KV pool, in blocks
     eos_token_ids: frozenset[int]
     kv_bytes_per_block: int
+    memory: EngineMemory  # its weight and KV formats and pool, in bytes (LLMEngine.memory)
 
     def mismatch(self, other: "ReplicaFacts") -> str | None:
         """How this replica's engine differs from another's in what the ingress relies on, or None."""
@@ -67,6 +68,11 @@ class ClusterModel:
         self.num_blocks = sum(f.num_blocks for f in facts)  # the cluster's pool (the dashboard's share of blocks)
         self._grammars = None
         self._grammars_lock = threading.Lock()
+
+    def memory(self) -> EngineMemory:
+        """One replica's formats and bytes, with the pool the cluster's (every replica's blocks)."""
+        return replace(self.replicas[0].memory, num_blocks=self.num_blocks,
+                                   max_tokens=sum(f.memory.max_tokens for f in self.replicas))
 
     # The engine's own lazily built GrammarCompiler (llguidance over this tokenizer): a request's grammar is compiled,
     # and so checked, here before it is routed. It reads tokenizer, model_config, eos_token_ids, _grammars(_lock).

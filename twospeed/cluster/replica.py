@@ -95,7 +95,8 @@ class EngineReplica:
         engine = self.state.engine
         return ReplicaFacts(self.name, self.instance, _actor_name(), socket.gethostname(), engine.config,
                             engine.model_config, engine.dtype, engine.limits, engine.scheduler_config,
-                            engine.num_blocks, engine.eos_token_ids, self.state.kv_bytes_per_block)
+                            engine.num_blocks, engine.eos_token_ids, self.state.kv_bytes_per_block,
+                            engine.memory())
 
     async def ping(self) -> tuple[str, str, Load]:
         return self.instance, _actor_name(), self.load()
