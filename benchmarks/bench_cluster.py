@@ -3,6 +3,8 @@
 Run:  .venv/bin/python benchmarks/bench_cluster.py [--workloads agent,agent-jobs,mixed] [--requests 60]
           [--rate 2] [--rounds 2] [--replica-threads 1] [--out bench_out/cluster]
 Smoke (seconds of load, not numbers): --workloads agent --requests 4 --rounds 1 --scale 0.1
+On the demo model (4096 tokens) pass --scale 0.5 for agent-jobs: at 1.0 its 5k-token tool dumps do not fit, and every
+job's second call is a 400 (the table's errors row says so).
 
 It starts a local Ray (loopback), deploys two demo replicas behind a prefix-routing ingress and attaches a
 round-robin ingress to the same replicas (`twospeed serve --attach-to`), then runs `twospeed bench` (the lab)
