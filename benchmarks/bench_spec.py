@@ -7,11 +7,10 @@ Run on a quiet machine (about 40 minutes at the defaults):
     .venv/bin/python benchmarks/bench_spec.py --smoke     # minutes: the demo model, tiny sizes, no vLLM
 
 The model is the built-in task model `demo-task` (trained on the lab's lane formats, so a tool call's JSON
-follows its schema and examples, and acceptance means something) with its draft `demo-task-draft`, and the
-lab's `tasks` workload (its prompts drawn from the same formats). Where this checkout has no `demo-task` (the
-task model not merged yet) it says so and falls back to the random `demo` with `demo-draft` on the lab's
-`agent` and `chat` workloads: the harness runs end to end, but acceptance on random weights says nothing
-about real traffic. Each config is a fresh server on the same traffic (same seed, a fresh salt so no run
+follows its schema and examples, and acceptance means something) with its draft `demo-task-draft` (not built
+in yet: the draft configs need --draft-model FOLDER on it), and the lab's `tasks` workload (its prompts drawn
+from the same formats). `--model demo` runs the random demo with `demo-draft` on the lab's `agent` and `chat`
+workloads: the harness runs end to end, but acceptance on random weights says nothing about real traffic. Each config is a fresh server on the same traffic (same seed, a fresh salt so no run
 hits another's cache), with benchmarks/peers/serve.py's settings (2 threads, 32 sequences, 2 GiB of KV):
   none         no speculation
   ngram        --spec-method ngram (prompt lookup), auto-fallback on (the default)
@@ -79,27 +78,9 @@ class Plan:
 
 def builtin_folder(name: str) -> Path:
     """A built-in model's checkpoint folder (built on first use), or the folder given."""
-    if name == "demo":
-        from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
 
-        return demo_checkpoint_path()
-    if name == "demo-draft":
-        from twospeed.model.demo import draft_checkpoint_path
-
-        return draft_checkpoint_path()
-    try:
-        from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
-    except ImportError:
-        return Path(name)
     return builtin_checkpoint_path(name) if is_builtin(name) else Path(name)
-
-
-def task_model_available() -> bool:
-    try:
-        from twospeed.model.builtin import is_builtin
-    except ImportError:
-        return False
-    return is_builtin("demo-task")
 
 
 def twospeed_server(plan: Plan, config: str, model: Path, log: Path):
@@ -256,11 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the demo model, 3 requests a workload, twospeed only")
     args = ap.parse_args(argv)
     model = "demo" if args.smoke else args.model
-    if model == "demo-task" and not task_model_available():
-        print("bench_spec: this checkout has no built-in demo-task (the task model); falling back to the random "
-              "demo with demo-draft on the agent and chat workloads: acceptance on random weights says nothing "
-              "about real traffic", file=sys.stderr)
-        model = "demo"
     task = model.startswith("demo-task")
     draft = args.draft_model or ("demo-task-draft" if task else "demo-draft")
     workloads = args.workloads or ("tasks" if task else "agent,chat")
