@@ -20,19 +20,11 @@ if TYPE_CHECKING:
     from twospeed.config import ModelConfig
 
 
-def weight_format(quantization: str | None) -> formats.WeightBytes:
-    return formats.weight_format(quantization)
-
-
-def kv_format(kv_cache_dtype: str) -> formats.KVBytes:
-    return formats.kv_format(kv_cache_dtype)
-
-
 def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
     """Bytes of every weight as held: the linears and the output head in their format, the rest in the model's
     dtype (a quantized head beside the embedding it was made from)."""
     elem = dtype_bytes(dtype)
-    fmt = weight_format(quantization)
+    fmt = formats.weight_format(quantization)
     if fmt.per_weight is None:
         return param_count(cfg) * elem
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
