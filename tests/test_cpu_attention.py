@@ -177,12 +177,37 @@ def test_prefill_kernel_matches_portable(case, monkeypatch):
     expected = TorchPagedAttention(heads, kv_heads, head_dim).forward(*args[:3], *ref_cache, args[5])
     attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
     assert attn.prefill_kernel is not None
+    attn.flash_rows = None  # the kernel for every span, as on a CPU without AMX
 
     def portable_prefill(*a, **k):
         raise AssertionError("the portable prefill ran")
-    monkeypatch.setattr(TorchPagedAttention, "prefill", portable_prefill)  # the kernel must do all of it
+    monkeypatch.setattr(TorchPagedAttention, "prefill_spans", portable_prefill)  # the kernel must do all of it
     got = attn.forward(*args)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel(load_bf16_kernel, "attention_bf16")
+@pytest.mark.parametrize("case", [2, 4])
+def test_amx_split_sends_short_spans_to_the_kernel_and_long_ones_to_flash(case, monkeypatch):
+    """With the AMX rule, spans over flash_rows tokens go to the gather + SDPA path and the rest to the kernel,
+    in one step, and the output is the portable one."""
+    args = prefill_batch(*PREFILL_CASES[case], seed=case)
+    heads, kv_heads, head_dim, _, window = PREFILL_CASES[case][2:]
+    ref_cache = [t.clone() for t in args[3:5]]
+    expected = TorchPagedAttention(heads, kv_heads, head_dim).forward(*args[:3], *ref_cache, args[5])
+    attn = CpuPagedAttention(heads, kv_heads, head_dim, window)
+    attn.flash_rows = 6  # case 2: 37 and 17 to flash, 5 to the kernel; case 4: 64 and 40 to flash
+    seen = []
+    kernel = attn.prefill_kernel
+
+    class Spy:
+        def prefill_attention_bf16(self, *a):
+            seen.append(a[8])  # the number of spans the kernel got
+            return kernel.prefill_attention_bf16(*a)
+    attn.prefill_kernel = Spy()
+    got = attn.forward(*args)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    assert seen == ([1] if case == 2 else [])
 
 
 @needs_kernel(load_bf16_kernel, "attention_bf16")

@@ -178,7 +178,9 @@ def test_prefill_chunks_attend_to_the_quantized_cache(kv, backend):
     for rows, table, n, positions in checks:
         ref = reference(q[rows], k_cache, v_cache, kv, table, n, positions, None)
         pv = reference(q[rows], k_cache, v_cache, kv, table, n, positions, None, weights_of_abs=True)
-        assert close(out[rows], ref, dtype, portable=backend == "torch", p_rounded=pv), \
+        # on AMX the CPU backend sends chunks over flash_rows tokens to the portable path, with its tolerance
+        flash = backend == "cpu" and rows.start > 0 and (attn.flash_rows or 1 << 30) < rows.stop - rows.start
+        assert close(out[rows], ref, dtype, portable=backend == "torch" or flash, p_rounded=pv), \
             (rows, (out[rows].double() - ref).abs().max())
 
 

@@ -142,13 +142,18 @@ class TorchPagedAttention:
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
             out[s:s + n] = od.reshape(n, self.num_heads, self.head_dim)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        for span in meta.prefills:
+        self.prefill_spans(meta.prefills, q, k, v, k_cache, v_cache, meta, out)
+
+    def prefill_spans(self, spans: list[PrefillSpan], q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Each span by one SDPA call. k, v: this step's fresh K/V, or None when they are only in the cache."""
+        for span in spans:
             s, e = span.start, span.start + span.num_tokens
             if span.mask is None:  # once per step (stays None for a plain causal chunk from position 0)
                 span.mask = causal_mask(span.num_tokens, span.context_len, meta.sliding_window, q.device)
-            if span.context_len == span.num_tokens and not self.kv.quantized:
+            if span.context_len == span.num_tokens and not self.kv.quantized and k is not None:
                 kp, vp = k[s:e], v[s:e]  # nothing before this chunk: use the fresh K/V directly
             else:  # from the cache (a quantized one always: every path attends to the values it keeps)
                 kp = self.kv.decode(self.kv.gather(k_cache, span.block_table).flatten(0, 1)[: span.context_len], q.dtype)

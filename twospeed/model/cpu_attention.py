@@ -3,7 +3,8 @@
 Same interface as `TorchPagedAttention`, which stays the portable path and the reference they are tested
 against (tests/test_cpu_attention.py). Two libraries, compiled on first use (model/cbuild.py):
 - csrc/attention_bf16.c (AVX-512 BF16): bf16 decodes and bf16 prefill chunks (even head_dim), which the
-  portable path sends through torch's CPU flash attention after gathering earlier chunks' blocks;
+  portable path sends through torch's CPU flash attention after gathering earlier chunks' blocks (on AMX CPUs
+  that path is the faster one for chunks over FLASH_ROWS tokens, and takes them);
 - csrc/paged_attention.c (any x86/ARM compiler target): decodes in fp32, and in bf16 where the first does not
   build. Prefill chunks there keep the portable batched SDPA.
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
@@ -20,10 +21,14 @@ from functools import lru_cache
 
 import torch
 
-from twospeed.model.attention import AttentionMetadata, TorchPagedAttention
+from twospeed.model.attention import AttentionMetadata, PrefillBatch, TorchPagedAttention
 from twospeed.model.cbuild import load_library
 from twospeed.model.kv_format import KVFormat
+from twospeed.model.packed_linear import has_amx
 
+# Prefill chunks up to this many tokens stay on the C kernel on AMX CPUs (at 4 rows it is 5-20% faster than the
+# gather + flash attention, at 8 rows 20-35% slower).
+FLASH_ROWS = 4
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -78,6 +83,10 @@ class CpuPagedAttention(TorchPagedAttention):
         fits = bf16 is not None and num_heads // num_kv_heads <= bf16.limits[0] and head_dim <= bf16.limits[1]
         self.bf16_kernel = bf16 if fits else None  # decode; prefill too where head_dim is even (k pairs)
         self.prefill_kernel = bf16 if fits and head_dim % 2 == 0 else None
+        # Where oneDNN has AMX tiles, torch's flash attention (a gather of the cached blocks, then SDPA) beats this
+        # kernel 2.3-3x on any chunk over FLASH_ROWS tokens, from position 0 or after 2k cached tokens alike
+        # (BENCHMARKS.md); on AVX-512 BF16 without AMX the kernel keeps every chunk.
+        self.flash_rows = FLASH_ROWS if has_amx() else None
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor) -> None:
@@ -125,17 +134,26 @@ class CpuPagedAttention(TorchPagedAttention):
             self.prefill(q, None, None, k_cache, v_cache, meta, out)
         return out
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
         if batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
             return super().prefill(q, k, v, k_cache, v_cache, meta, out)
+        if self.flash_rows is not None:  # AMX: torch's flash attention takes the spans over flash_rows rows
+            wide = [span for span in meta.prefills if span.num_tokens > self.flash_rows]
+            if wide:
+                self.prefill_spans(wide, q, k, v, k_cache, v_cache, meta, out)
+                if len(wide) == len(meta.prefills):
+                    return
+                keep = torch.tensor([i for i, span in enumerate(meta.prefills) if span.num_tokens <= self.flash_rows])
+                batch = PrefillBatch(batch.block_tables[keep], batch.q_start[keep], batch.q_len[keep],
+                                     batch.context_len[keep])
         q = q.contiguous()
         # K/V of these chunks are already in the cache (write_cache ran first): the kernel reads them there
         self.prefill_kernel.prefill_attention_bf16(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
             batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
-            len(meta.prefills), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
+            len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
             batch.block_tables.shape[1], self.window, self.scale, self.kv.code, torch.get_num_threads())
 
 
