@@ -19,7 +19,7 @@ from conftest import ARCH_CONFIGS, needs_kernel, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
 from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, PackedLinear, can_use_onednn, has_amx, linear_kernel,
-                                          resolve_linear_backend)
+                                          onednn_rows, resolve_linear_backend)
 
 needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
 needs_linear_kernel = needs_kernel(linear_kernel, "linear_bf16")
@@ -44,7 +44,7 @@ def within_one_rounding(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> boo
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 7, 37, 64, 300, 600])  # 37, 300 and 600 run padded (onednn_rows)
 @pytest.mark.parametrize("shape,bias", SHAPES)
 def test_onednn_packing_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
     lin, x = bf16_linear(shape, bias, rows, rows)
@@ -156,3 +156,11 @@ def test_engine_with_the_kernel_agrees_with_the_portable_path(tmp_path, arch):
                 assert ta in b.logprobs[i].top and tb in a.logprobs[i].top
                 break
             assert a.logprobs[i].logprob == pytest.approx(b.logprobs[i].logprob, abs=0.05)
+
+
+def test_onednn_row_buckets_cover_every_count_with_few_shapes():
+    """Every row count runs at a bucket >= itself that pads it by under a quarter (under 32 rows up to 128), and
+    the whole range of a 4096-token budget needs under a hundred shapes (each built once by oneDNN)."""
+    buckets = {onednn_rows(m) for m in range(1, 4097)}
+    assert all(0 <= onednn_rows(m) - m < max(32, m // 4) for m in range(1, 4097))
+    assert all(onednn_rows(m) == m for m in range(1, 33)) and len(buckets) < 100

@@ -56,6 +56,10 @@ class BenchConfig:
     timeout: float = 600.0  # seconds per request
     kv_block_size: int = 16  # tokens per KV block on the server, for the KV memory of cached prefixes
     late_threshold: float = 0.05  # a request sent this many seconds late counts as late
+    # seconds between the timeline's /metrics scrapes. Not faster by default: a twospeed server renders its
+    # /metrics (~2.6k lines, ~65 ms of Python) on the thread that shares the GIL with the engine, and at one scrape
+    # every 0.5 s its steps ran 2-3x slower at 3 req/s (the lab measured a server it was slowing down)
+    metrics_period: float = 2.0
     prompts: str | None = None  # every lane's prompts: "synthetic" | "task" (the task corpus); None = the lanes'
     progress: bool = True
 
@@ -133,7 +137,8 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
         jobs: list[JobRun] = []
         start = time.perf_counter()
         stop, timeline = asyncio.Event(), []
-        sampler = asyncio.create_task(scrape.sample_timeline(client, cfg.url, start, timeline, stop))
+        sampler = asyncio.create_task(scrape.sample_timeline(client, cfg.url, start, timeline, stop,
+                                                             cfg.metrics_period))
 
         async def send(p: Planned) -> Response:
             resp = await stream_request(client, cfg.url, workload.lane(p.lane), p, cfg.model, counter, start,

@@ -93,9 +93,32 @@ class OneDnnPacking:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.in_features = weight.shape[1]
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        padded = onednn_rows(m)
+        if padded != m:
+            xp = x2.new_empty(padded, self.in_features)
+            xp[:m] = x2
+            xp[m:].zero_()
+            x2 = xp
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
+        return y[:m].view(*lead, y.shape[-1])
+
+
+def onednn_rows(m: int) -> int:
+    """The row count a oneDNN linear runs at: `m` rounded up to a bucket. oneDNN builds a primitive per shape on
+    its first call (3-5 ms for one of the ~100M Llama's linears here, against ~1 ms to run it), so a step whose
+    token count was new paid that in every linear of every layer (150+ ms) and the next step with it did not:
+    chunked prefill makes every count from 1 to the budget likely. Buckets keep the shapes to about sixty, each
+    built once. Decode-sized counts (up to 32) stay exact: there are few of them and padding costs most there."""
+    if m <= 32:
+        return m
+    step = 32 if m <= 512 else 128 if m <= 2048 else 512
+    return -(-m // step) * step
 
 
 class KernelPacking:
