@@ -133,3 +133,28 @@ def test_the_off_switches_keep_a_request_off_and_say_why(off):
     assert [step(policy, req, None) for _ in range(10)] == [0] * 10
     (event,) = req.spec.events
     assert (event.event, event.cause) == ("off", off) and req.spec.method == "draft"
+
+
+def test_the_cost_ratio_is_measured_once_both_step_kinds_ran():
+    """A cost model that says a verify step costs what a plain one does (the linear fit's blind spot where a few
+    more rows change the CPU's linear kernel) is overruled by the measured steps of that shape; before both kinds
+    were seen, and for steps with a prompt chunk, the model's prediction stands."""
+    from twospeed.engine.cost_model import StepShape
+    from twospeed.engine.spec import NgramProposer, Speculator
+
+    class FlatModel:
+        def predict(self, shape):
+            return 0.010  # every step 10 ms, drafts or not
+
+    spec = Speculator(SpecConfig(method="ngram"), NgramProposer(1, 3), 1024)
+    verify = StepShape(decode_tokens=2, decode_context=200, sampled=8, draft_tokens=6, draft_attention=600)
+    plain = verify.without_drafts()
+    assert spec.cost_ratio(verify, FlatModel()) == pytest.approx(spec.propose_seconds / 0.010)  # the model's word
+    spec.observe_step(verify, 0.030)
+    assert spec.cost_ratio(verify, FlatModel()) == pytest.approx(spec.propose_seconds / 0.010)  # no plain twin yet
+    for seconds in (0.010, 0.010, 0.010):
+        spec.observe_step(plain, seconds)
+    spec.observe_step(StepShape(prefill_tokens=64, decode_tokens=2), 0.500)  # a prompt chunk's step: ignored
+    assert spec.cost_ratio(verify, FlatModel()) == pytest.approx(2.0 + spec.propose_seconds / 0.010)
+    chunked = StepShape(prefill_tokens=16, decode_tokens=2, sampled=8, draft_tokens=6)
+    assert spec.cost_ratio(chunked, FlatModel()) == pytest.approx(spec.propose_seconds / 0.010)

@@ -351,6 +351,8 @@ class LLMEngine:
         if not out.chunks:
             return
         self.cost_model.observe(out.shape, seconds)
+        if self.speculator is not None:
+            self.speculator.observe_step(out.shape, seconds)
         if out.num_prefill_tokens:
             for c in out.chunks:
                 if c.is_decode:

@@ -40,7 +40,7 @@ from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import ScheduledChunk, in_decode
-from twospeed.engine.spec_policy import SpecPolicy
+from twospeed.engine.spec_policy import MeasuredSteps, SpecPolicy
 
 
 class Proposer(Protocol):
@@ -204,6 +204,7 @@ class Speculator:
         self.cfg = cfg
         self.proposer = proposer
         self.policy = SpecPolicy(cfg)
+        self.measured = MeasuredSteps()
         self.max_model_len = max_model_len
         self.propose_seconds = 0.0  # the last propose call's time
         self._asked: dict[str, Request] = {}  # requests the proposer may hold state for, by id
@@ -242,11 +243,19 @@ class Speculator:
         return self.propose_seconds
 
     def cost_ratio(self, shape: StepShape, model: StepCostModel) -> float:
-        """rho - 1 of the step just run: (its predicted time + the proposer's) over its plain twin's, less one."""
-        plain = model.predict(shape.without_drafts())
-        if plain <= 0 or not shape.draft_tokens:
+        """rho - 1 of the step just run: (its time + the proposer's) over its plain twin's, less one; the times
+        as measured for this shape where the engine has run both (MeasuredSteps), else as the cost model predicts."""
+        if not shape.draft_tokens:
             return 0.0
-        return max(0.0, (model.predict(shape) + self.propose_seconds - plain) / plain)
+        measured = None if shape.prefill_tokens else self.measured.ratio(shape.decode_tokens, shape.draft_tokens)
+        verify, plain = measured or (model.predict(shape), model.predict(shape.without_drafts()))
+        if plain <= 0:
+            return 0.0
+        return max(0.0, (verify + self.propose_seconds - plain) / plain)
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """The engine's measured time of a step (the proposer's excluded)."""
+        self.measured.observe(shape.prefill_tokens, shape.decode_tokens, shape.draft_tokens, seconds)
 
     def record(self, req: Request, num_draft: int, accepted: int, kept: int, step_extra: float) -> None:
         """req verified num_draft drafts; the sampler accepted `accepted`, of which `kept` stayed in the output (a

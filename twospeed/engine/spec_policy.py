@@ -171,3 +171,30 @@ class SpecPolicy:
                cause: str | None = None) -> None:
         req.spec.add_event(SpecEvent(req.clock.decode_steps, event, reason, estimate.alpha, estimate.cost_ratio,
                                      gamma, gain, cause))
+
+
+STEP_DECAY = 0.8  # measured step times: a shape follows its last ~5 steps
+
+
+@dataclass(slots=True)
+class MeasuredSteps:
+    """The engine's measured times of steps that only decode: plain ones by decode rows, verify ones by (decode
+    rows, draft tokens). The cost ratio c of speculation comes from these where both sides have been seen: the
+    linear cost model cannot price the jump where a few more rows move a CPU step from the C linear kernel to
+    oneDNN (AMX), and a ratio it under-predicts keeps a draft that does not pay."""
+
+    plain: dict[int, float] = field(default_factory=dict)
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, prefill_tokens: int, decode_tokens: int, draft_tokens: int, seconds: float) -> None:
+        if prefill_tokens or decode_tokens <= 0:
+            return  # a prompt chunk's cost says nothing about the decode rows beside it
+        table, key = (self.verify, (decode_tokens, draft_tokens)) if draft_tokens else (self.plain, decode_tokens)
+        old = table.get(key)
+        table[key] = seconds if old is None else STEP_DECAY * old + (1 - STEP_DECAY) * seconds
+
+    def ratio(self, decode_tokens: int, draft_tokens: int) -> tuple[float, float] | None:
+        """(verify step seconds, plain step seconds) of this shape, if both were measured."""
+        verify, plain = self.verify.get((decode_tokens, draft_tokens)), self.plain.get(decode_tokens)
+        return None if verify is None or plain is None or plain <= 0 else (verify, plain)
+
