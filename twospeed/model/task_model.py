@@ -11,9 +11,9 @@ Copying from the prompt (an id from the evidence, the passage id after a fact) i
 do not learn by themselves: measured, heads taught where to look still wrote the memorised, frequent ids,
 because the values that would copy a rare token never formed. So the copy is built, not learnt: layer 0's
 head 0 is a previous-token head, and the last layer's first heads an induction head on it (they find the
-earlier occurrence of the current token by content, in RoPE's slow planes, and copy the token after it),
-held fixed while everything around them learns when to use it; an attention probe and a copy loss on those
-heads' own output make the rest of the model keep what they read legible.
+earlier occurrence of the current token by content, in RoPE's slow planes, and copy the token after it).
+Their keys, values and outputs stay as built; their queries learn when to copy, taught by an attention probe
+(where each copied answer token sits) and a copy loss on those heads' own output.
 
 Deterministic under the spec's seed on one machine: the data order is a function of the seed, the thread
 count is fixed for the build, and the tokenizer is trained single-threaded. Every task model shares the
@@ -83,6 +83,8 @@ class TaskModelSpec:
     #                         stays the larger part of the residual, which the copy reads)
     copy_gain: float = 1.0  # scale of the copy heads' values and outputs
     freeze_circuit: bool = True  # hold the built heads fixed (Adam's steps wash a built circuit out in ~100 steps)
+    learn_queries: bool = True  # ... but the induction heads' queries learn: when to copy (held too, the heads
+    #                             copy wherever the current token occurred before, and answers loop)
     probe_weight: float = 1.0  # weight of the attention probe's loss (the copy heads taught where each copied
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
@@ -373,7 +375,8 @@ def circuit_slices(spec: TaskModelSpec, model: TrainLlama) -> list[tuple[torch.T
     out.append((first.o_proj.weight, (slice(None), slice(0, hd))))
     for i in range(spec.copy_heads):
         head = i * group
-        out.append((last.q_proj.weight, (slice(head * hd, (head + 1) * hd),)))
+        if not spec.learn_queries:
+            out.append((last.q_proj.weight, (slice(head * hd, (head + 1) * hd),)))
         out += [(w, (slice(i * hd, (i + 1) * hd),)) for w in (last.k_proj.weight, last.v_proj.weight)]
         out.append((last.o_proj.weight, (slice(None), slice(head * hd, (head + 1) * hd))))
     return out
