@@ -231,20 +231,22 @@ def nightly(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> T
 
 
 # -- refusal and chat --------------------------------------------------------------------------------------
-# topic -> (what a desk may forbid, requests on that topic, the subject of a note answering one)
+# topic -> (what a desk may forbid, requests on that topic, the subject of a note answering one). The topic's own
+# word is in the rule and in every request on it (and in no other topic's): the refuse-or-answer decision a small
+# model can learn is "does the request name the forbidden topic", not a paraphrase it would have to know.
 _TOPICS = {
-    "pricing": ("discuss internal pricing", ("explain the internal pricing for {x}", "list the discount tiers for {x}"),
+    "pricing": ("discuss internal pricing", ("explain the internal pricing for {x}", "list the pricing tiers for {x}"),
                 "the pricing for {x}"),
-    "legal": ("give legal advice", ("tell me whether the {x} contract can be broken",
+    "legal": ("give legal advice", ("tell me whether the {x} contract is legal to break",
                                    "explain the legal risk of the {x} deal"), "the {x} contract"),
-    "code": ("write software", ("write a script that exports the {x} report", "code a tool that checks {x}"),
+    "code": ("write code", ("write code that exports the {x} report", "write code for a tool that checks {x}"),
              "a tool for the {x} report"),
-    "travel": ("plan travel", ("plan a trip to {city} for the {x} team", "book flights to {city} for {x}"),
+    "travel": ("plan travel", ("plan travel to {city} for the {x} team", "book travel to {city} for {x}"),
                "the trip to {city}"),
-    "accounts": ("discuss other customers' accounts", ("tell me what {x} ordered last month",
-                                                      "read me the balance on the {x} account"), "the {x} account"),
-    "hiring": ("discuss hiring decisions", ("tell me who will be hired for the {x} team",
-                                           "explain why {x} was not hired"), "hiring for the {x} team"),
+    "payroll": ("discuss payroll", ("tell me the payroll of the {x} team", "read me the payroll figures for {x}"),
+                "the {x} team's payroll"),
+    "hiring": ("discuss hiring decisions", ("tell me the hiring plan for the {x} team",
+                                           "explain the hiring decision about {x}"), "hiring for the {x} team"),
 }
 _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the new carrier contract",
                 "the outage at the {x} cluster", "onboarding the {x} team", "the refund backlog",
@@ -267,7 +269,10 @@ def _forbidden(prefix: str) -> str:
 
 def _note(rng: random.Random, subject: str, sentences: int) -> str:
     """A templated multi-paragraph note about `subject`: long, fluent and predictable."""
-    openers = (f"Here is a note about {subject}.", f"This note covers {subject}.", f"A short brief on {subject}.")
+    # one first word for every note: whether to refuse is decided at the first token, so a note's openers must not
+    # split its share of that token three ways (greedy decoding would pick the refusal's one word every time)
+    openers = (f"Here is a note about {subject}.", f"Here is what to know about {subject}.",
+               f"Here is a short brief on {subject}.")
     body = []
     for i in range(sentences):
         who, city, team = _person(rng), rng.choice(_CITIES), rng.choice(_TEAMS)

@@ -139,11 +139,15 @@ def _synthetic_corpus() -> list[str]:
     return lines
 
 
-def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+def train_bpe_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> Tokenizer:
     """A byte-level BPE tokenizer (Llama-3 / GPT-2 style) trained on `texts`, with the special tokens at ids
-    0..4 and bos put first by the post-processor."""
+    0..4 and bos put first by the post-processor. `split_digits`: every digit its own token (as Llama 2 and
+    Mistral do), so a number is spelt by ten well-trained tokens instead of many rare ones."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                           tokenizer.pre_tokenizer])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

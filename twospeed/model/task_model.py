@@ -7,6 +7,14 @@ downloaded, so twospeed trains its own: a byte-level BPE tokenizer fitted to the
 (model/train_llama.py, HF parameter names) trained on answers only, AdamW with warmup and cosine decay,
 bf16 autocast where the CPU has bf16 matmuls (AMX / AVX-512 BF16), float32 elsewhere.
 
+Copying from the prompt (an id from the evidence, the passage id after a fact) is what minutes of training
+do not learn by themselves: measured, heads taught where to look still wrote the memorised, frequent ids,
+because the values that would copy a rare token never formed. So the copy is built, not learnt: layer 0's
+head 0 is a previous-token head, and the last layer's first heads an induction head on it (they find the
+earlier occurrence of the current token by content, in RoPE's slow planes, and copy the token after it).
+Their keys, values and outputs stay as built; their queries learn when to copy, taught by an attention probe
+(where each copied answer token sits) and a copy loss on those heads' own output.
+
 Deterministic under the spec's seed on one machine: the data order is a function of the seed, the thread
 count is fixed for the build, and the tokenizer is trained single-threaded. Every task model shares the
 tokenizer (a draft model for speculation must), so `TASK_SPECS` can grow another size (a draft) without a
@@ -39,8 +47,9 @@ from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECI
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v2"
+TASK_VERSION = "task-v3"
 TASK_VOCAB_SIZE = 4096
+SPLIT_DIGITS = True  # ids, passage numbers and values are spelt digit by digit (model/demo.py)
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
 
@@ -50,20 +59,35 @@ class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
     hidden_size: int = 256
-    intermediate_size: int = 704
-    num_layers: int = 4
+    intermediate_size: int = 1024
+    num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 4
     head_dim: int = 64
     max_position_embeddings: int = 2048  # tokens; the corpus' longest prompt + answer stays well below it
+    rope_theta: float = 1e8  # RoPE base: a large one leaves many slow planes, where the induction heads match
+    #                          tokens by content at any distance in the context
     steps: int = 1000  # optimizer steps
     batch_tokens: int = 1536  # tokens per step, padding included (examples of similar length share a step)
-    lr: float = 7e-4  # peak learning rate, after `warmup_steps`; cosine decay to lr * min_lr_ratio
+    lr: float = 2e-3  # peak learning rate, after `warmup_steps`; cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.05  # on matrices only
-    probe_weight: float = 1.0  # weight of the attention probe's loss (the last layer's head 0 taught where each
-    #                            copied answer token sits in the prompt, model/train_llama.py); 0 = off
+    first_weight: float = 5.0  # loss weight of each answer's first token (where refuse-or-answer is decided)
+    # The copy circuit (init_previous_token_head, init_induction_head; model/train_llama.py's AttentionProbe):
+    copy_layer: int = -1  # the layer whose heads copy (negative: from the end)
+    copy_heads: int = 3  # its heads that copy (heads x head_dim <= hidden - head_dim)
+    induction_init: bool = True  # they start as a built induction head; else as a plain copier (init_copy_head)
+    induction_sharpness: float = 4.0  # scale of the induction heads' queries
+    prev_gain: float = 0.1  # scale of what layer 0's previous-token head writes (small: the token's own identity
+    #                         stays the larger part of the residual, which the copy reads)
+    copy_gain: float = 1.0  # scale of the copy heads' values and outputs
+    freeze_circuit: bool = True  # hold the built heads fixed (Adam's steps wash a built circuit out in ~100 steps)
+    learn_queries: bool = True  # ... but the induction heads' queries learn: when to copy (held too, the heads
+    #                             copy wherever the current token occurred before, and answers loop)
+    probe_weight: float = 1.0  # weight of the attention probe's loss (the copy heads taught where each copied
+    #                            answer token sits in the prompt); 0 = off, and no circuit is built
+    copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
@@ -74,6 +98,7 @@ class TaskModelSpec:
     def model_config(self) -> ModelConfig:
         return ModelConfig("LlamaForCausalLM", TASK_VOCAB_SIZE, self.hidden_size, self.intermediate_size,
                            self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, rms_norm_eps=1e-6,
+                           rope_theta=self.rope_theta,
                            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True)
 
     def hf_config(self) -> dict:
@@ -82,7 +107,7 @@ class TaskModelSpec:
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": TASK_VOCAB_SIZE,
                 "max_position_embeddings": self.max_position_embeddings,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rms_norm_eps": 1e-6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}, "rms_norm_eps": 1e-6,
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
                 "dtype": "bfloat16", "bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]}
 
@@ -103,7 +128,7 @@ def build_task_tokenizer():
     for i in range(2000):
         session = task_corpus.session(task_corpus.LANES[i % len(task_corpus.LANES)], rng)
         texts += [session.prefix] + [e.prompt[len(session.prefix):] + e.answer for e in session.examples]
-    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE)
+    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, SPLIT_DIGITS)
 
 
 def tokenizer_config(spec: TaskModelSpec) -> dict:
@@ -211,22 +236,25 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
         yield from steps
 
 
-def collate(step: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+def collate(step: list[Sequence], first_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
 
     Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
     long note, which is where the refuse-or-answer decision is made.)"""
     t = -(-max(len(s.ids) for s in step) // 32) * 32  # few distinct shapes: oneDNN and the allocator reuse them
     ids = torch.full((len(step), t), PAD_ID, dtype=torch.long)
-    rows, targets = [], []
+    rows, targets, weights = [], [], []
     for i, s in enumerate(step):
         ids[i, :len(s.ids)] = torch.tensor(s.ids)
         for start, end in s.answers:
             rows.append(torch.arange(start - 1, end - 1) + i * t)  # position p predicts token p + 1
             targets.append(ids[i, start:end])
-    targets = torch.cat(targets)
+            w = torch.ones(end - start)
+            w[0] = first_weight
+            weights.append(w)
+    targets, weights = torch.cat(targets), torch.cat(weights)
     copies = [(i, q - 1, j) for i, s in enumerate(step) for q, j in s.sources.items()]  # (row, query, key)
-    return ids, torch.cat(rows), targets, torch.full(targets.shape, 1.0 / len(targets)), tuple(zip(*copies))
+    return ids, torch.cat(rows), targets, weights / weights.sum(), tuple(zip(*copies))
 
 
 # -- training ----------------------------------------------------------------------------------------------
@@ -253,20 +281,28 @@ def init_weights(model: TrainLlama, seed: int) -> None:
                           generator=gen)
 
 
-def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0) -> None:
-    """Start the last layer's head 0 (the one the attention probe teaches where to look) as a copier: its
-    values and output project the attended token's embedding back into the residual stream through the
-    same orthonormal basis, so with tied embeddings it raises the attended token's logit from step one."""
+def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int = 1, layer: int = -1) -> None:
+    """Start the last layer's first `heads` heads (the ones the attention probe teaches where to look) as one
+    copier: their values and outputs project the attended token's residual back into the stream through
+    disjoint blocks of one orthonormal basis, so with tied embeddings it raises the attended token's logit
+    from step one. Heads x head_dim = hidden makes the copy full rank: every token's identity survives it."""
     cfg = model.cfg
-    attn = model.model.layers[-1].self_attn
+    if heads > cfg.num_kv_heads or heads * cfg.head_dim > cfg.hidden_size:
+        raise ValueError(f"{heads} copy heads need as many kv heads and heads x head_dim <= hidden")
+    attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 1)
-    basis = torch.linalg.qr(torch.randn(cfg.hidden_size, cfg.head_dim, generator=gen))[0]  # [hidden, hd]
+    hd, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    basis = torch.linalg.qr(torch.randn(cfg.hidden_size, heads * hd, generator=gen))[0]  # [hidden, heads * hd]
     with torch.no_grad():
-        attn.v_proj.weight[:cfg.head_dim] = basis.T * gain
-        attn.o_proj.weight[:, :cfg.head_dim] = basis * gain
+        for i in range(heads):
+            block = basis[:, i * hd:(i + 1) * hd]
+            head = i * group  # the first query head of kv head i
+            attn.v_proj.weight[i * hd:(i + 1) * hd] = block.T * gain
+            attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
 
 
-def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0) -> None:
+def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0,
+                             gain: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Start layer 0's head 0 as a previous-token head: a constant direction in every embedding gives it the
     same query and key everywhere, whose RoPE phases peak at one position back; its values copy the previous
     token's embedding into a subspace of its own. Copying a span then only has to match "the token before
@@ -288,7 +324,72 @@ def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24
         attn.q_proj.weight[planes + half, 0] = amp * torch.sin(-inv_freq[planes])
         attn.k_proj.weight[planes, 0] = amp
         attn.v_proj.weight[:hd] = read.T
-        attn.o_proj.weight[:, :hd] = write
+        attn.o_proj.weight[:, :hd] = write * gain
+    return read, write
+
+
+SLOW_SPAN = 1024  # positions over which an induction head's RoPE planes may turn at most one radian
+
+
+def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tensor, seed: int, heads: int,
+                        sharpness: float, gain: float = 1.0, layer: int = -1) -> None:
+    """Start the last layer's first `heads` heads as one induction head: at position i they look at every j
+    whose previous token is token i, and copy token j. Queries read the current token through the previous-
+    token head's read basis; keys read what that head wrote (the token before j); both only in RoPE's slow
+    planes, which barely turn over the context, so the match is by content at any distance. Values and outputs
+    copy the attended position's residual outside the previous-token subspace (full rank there), so the copy
+    names token j, not the one before it. The probe and the copy loss then refine what this starts."""
+    cfg = model.cfg
+    hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
+    if heads > cfg.num_kv_heads or heads * hd > cfg.hidden_size - hd:
+        raise ValueError(f"{heads} induction heads need as many kv heads and heads x head_dim <= hidden - head_dim")
+    slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]  # < 1 rad over SLOW_SPAN positions
+    dims = torch.cat((slow, slow + half))
+    attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(seed + 3)
+    free = torch.randn(cfg.hidden_size, heads * hd, generator=gen)
+    free -= write @ (write.T @ free)  # outside what the previous-token head writes
+    basis = torch.linalg.qr(free)[0]
+    with torch.no_grad():
+        for i in range(heads):
+            head = i * group
+            q = attn.q_proj.weight[head * hd:(head + 1) * hd]
+            k = attn.k_proj.weight[i * hd:(i + 1) * hd]
+            q.zero_()
+            k.zero_()
+            cols = torch.arange(hd).roll(-i * hd // heads)[:len(dims)]  # each head matches its own share
+            q[dims] = sharpness * read[:, cols].T
+            k[dims] = write[:, cols].T
+            block = basis[:, i * hd:(i + 1) * hd]
+            attn.v_proj.weight[i * hd:(i + 1) * hd] = block.T * gain
+            attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
+
+
+def circuit_slices(spec: TaskModelSpec, model: TrainLlama) -> list[tuple[torch.Tensor, tuple]]:
+    """The weights of the built circuit (the previous-token head, the induction heads, the embeddings' constant
+    direction) as (tensor, index) pairs."""
+    hd, group = spec.head_dim, spec.num_heads // spec.num_kv_heads
+    first, last = model.model.layers[0].self_attn, model.model.layers[copy_layer(spec)].self_attn
+    out = [(model.model.embed_tokens.weight, (slice(None), 0))]
+    out += [(w, (slice(0, hd),)) for w in (first.q_proj.weight, first.k_proj.weight, first.v_proj.weight)]
+    out.append((first.o_proj.weight, (slice(None), slice(0, hd))))
+    for i in range(spec.copy_heads):
+        head = i * group
+        if not spec.learn_queries:
+            out.append((last.q_proj.weight, (slice(head * hd, (head + 1) * hd),)))
+        out += [(w, (slice(i * hd, (i + 1) * hd),)) for w in (last.k_proj.weight, last.v_proj.weight)]
+        out.append((last.o_proj.weight, (slice(None), slice(head * hd, (head + 1) * hd))))
+    return out
+
+
+def copy_layer(spec: TaskModelSpec) -> int:
+    """The layer whose heads copy (the probe's): `spec.copy_layer`, counted from the end when negative."""
+    return spec.copy_layer % spec.num_layers
+
+
+def copy_heads(spec: TaskModelSpec) -> tuple[int, ...]:
+    """The last layer's heads the probe teaches: the first query head of each of the first `copy_heads` kv heads."""
+    return tuple(i * (spec.num_heads // spec.num_kv_heads) for i in range(spec.copy_heads))
 
 
 def lr_at(spec: TaskModelSpec, step: int) -> float:
@@ -303,9 +404,13 @@ def new_model(spec: TaskModelSpec) -> tuple[TrainLlama, torch.optim.Optimizer]:
     torch.manual_seed(spec.seed)
     model = TrainLlama(spec.model_config())
     init_weights(model, spec.seed)
-    if spec.probe_weight > 0:  # the probe's head starts as a copier, fed by a previous-token head below it
-        init_previous_token_head(model, spec.seed)
-        init_copy_head(model, spec.seed)
+    if spec.probe_weight > 0:  # the copy heads start as a circuit: an induction head on a previous-token head
+        read, write = init_previous_token_head(model, spec.seed, gain=spec.prev_gain)
+        if spec.induction_init:
+            init_induction_head(model, read, write, spec.seed, spec.copy_heads, spec.induction_sharpness,
+                                spec.copy_gain, copy_layer(spec))
+        else:
+            init_copy_head(model, spec.seed, gain=spec.copy_gain, heads=spec.copy_heads, layer=copy_layer(spec))
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
@@ -316,17 +421,20 @@ def new_model(spec: TaskModelSpec) -> tuple[TrainLlama, torch.optim.Optimizer]:
 def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimizer, seqs: list[Sequence],
                bf16: bool) -> float:
     """One optimizer step on one batch of sequences; returns the loss."""
-    ids, rows, targets, weights, copies = collate(seqs)
+    ids, rows, targets, weights, copies = collate(seqs, spec.first_weight)
     probe = None
-    if copies and spec.probe_weight > 0:
+    if copies and (spec.probe_weight > 0 or spec.copy_weight > 0):
         batch, query, key = (torch.tensor(c) for c in copies)
-        probe = AttentionProbe(spec.num_layers - 1, 0, batch, query, key)
+        probe = AttentionProbe(copy_layer(spec), copy_heads(spec), batch, query, key)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         hidden = model(ids, probe)
         logits = model.logits(hidden.flatten(0, 1)[rows])  # only the answer positions pay for the vocab
     loss = (F.cross_entropy(logits.float(), targets, reduction="none") * weights).sum()
     if probe is not None:
         loss = loss + spec.probe_weight * probe.loss
+        if spec.copy_weight > 0:
+            copied = model.logits(probe.output.float())
+            loss = loss + spec.copy_weight * F.cross_entropy(copied, ids[probe.batch, probe.query + 1])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -339,10 +447,15 @@ def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] 
     """Train a task model; returns its HF state dict in bf16. `on_step(step, loss)` after every step."""
     bf16 = bf16_matmuls() if bf16 is None else bf16
     model, opt = new_model(spec)
+    held = circuit_slices(spec, model) if spec.freeze_circuit and spec.probe_weight > 0 else []
+    kept = [(w, idx, w.detach()[idx].clone()) for w, idx in held]
     for step, seqs in zip(range(spec.steps), batches(spec, tokenizer)):
         for group in opt.param_groups:
             group["lr"] = lr_at(spec, step)
         loss = train_step(spec, model, opt, seqs, bf16)
+        with torch.no_grad():
+            for w, idx, value in kept:  # the built circuit stays as built; the rest learns to use it
+                w[idx] = value
         if on_step is not None:
             on_step(step, loss)
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.hf_state_dict().items()}

@@ -54,29 +54,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 @dataclass(slots=True)
 class AttentionProbe:
-    """Supervision for one head's attention: at query position `query` of row `batch` it should look at key
-    position `target`. `loss` (mean -log attention on the targets) is filled in by the forward pass.
+    """Supervision for some heads' attention: at query position `query` of row `batch` they should look at key
+    position `target`. The forward pass fills in `loss` (mean -log attention on the targets, over the heads)
+    and `output` (what those heads alone add to the residual there, for a copy loss on it).
 
     Why: a model this small, trained for minutes, learns what to write long before it learns where in a long
-    prompt to copy it from. Telling one head where the copied token sits (model/task_model.py finds it) makes
-    copying ids, names and values from the evidence learnable in that time; nothing changes at inference."""
+    prompt to copy it from. Telling the copy heads where the copied token sits (model/task_model.py finds it)
+    helps copying ids, names and values from the evidence; nothing changes at inference."""
 
     layer: int
-    head: int
+    heads: tuple[int, ...]  # the heads taught (each the same targets)
     batch: torch.Tensor  # [N]
     query: torch.Tensor  # [N]
     target: torch.Tensor  # [N]
     loss: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # [N, hidden]: what these heads alone add to the residual at `query`
 
 
 def probe_loss(q: torch.Tensor, k: torch.Tensor, probe: AttentionProbe) -> torch.Tensor:
-    """-log softmax(q k^T / sqrt(hd)) at the probe's targets, for its head only; q [B, H, T, hd], k [B, KVH, T, hd]."""
-    kv_head = probe.head // (q.shape[1] // k.shape[1])
-    scores = q[:, probe.head] @ k[:, kv_head].transpose(-1, -2)  # [B, T, T]: one head is cheap to spell out
-    scores = scores[probe.batch, probe.query].float() * q.shape[-1] ** -0.5  # [N, T]
+    """-log softmax(q k^T / sqrt(hd)) at the probe's targets, averaged over its heads; q [B, H, T, hd],
+    k [B, KVH, T, hd]."""
     causal = torch.arange(k.shape[2], device=q.device)[None, :] > probe.query[:, None]
-    logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
-    return -logp.gather(1, probe.target[:, None]).mean()
+    total = 0.0
+    for head in probe.heads:
+        kv_head = head // (q.shape[1] // k.shape[1])
+        scores = q[:, head] @ k[:, kv_head].transpose(-1, -2)  # [B, T, T]: one head is cheap to spell out
+        scores = scores[probe.batch, probe.query].float() * q.shape[-1] ** -0.5  # [N, T]
+        logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
+        total = total - logp.gather(1, probe.target[:, None]).mean()
+    return total / len(probe.heads)
 
 
 class Attention(nn.Module):
@@ -101,6 +107,10 @@ class Attention(nn.Module):
         if probe is not None:
             probe.loss = probe_loss(q, k, probe)
         o = causal_attention(q, k, v)  # [B, H, T, hd]
+        if probe is not None:  # what the probed heads alone write at the probed queries (their slices of o_proj)
+            hd = self.head_dim
+            probe.output = sum(o[probe.batch, h, probe.query] @ self.o_proj.weight[:, h * hd:(h + 1) * hd].T
+                               for h in probe.heads)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
