@@ -139,7 +139,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
 
 
 # Not met yet (issue 14). Recipe task-v3 copies from the prompt (a built induction circuit, model/task_model.py):
-# rag's citation gate went from 0% to 70% (the right passage 28%), tool-call ids are the evidence's; but the
+# rag's citation gate went from 0% to 45-70% by build (the right passage 10-28%); but the
 # decisions do not learn in the budget (which tool, which code, refuse or answer: each a constant), and answers
 # loop on some agent turns (json 78%). Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the
 # recipe reaches the bars this XPASSes and fails, so the marker comes off.
