@@ -23,7 +23,7 @@ from twospeed.lab import task_corpus, task_prompts
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planner
 from twospeed.lab.workload import BUILTIN, load_workload
-from twospeed.model import task_model
+from twospeed.model import copy_circuit, task_model
 from twospeed.model.llama import apply_rope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def _induction_hits(spec: task_model.TaskModelSpec) -> float:
     """How often the copy heads, at init, look exactly where an induction head must: on a random token string
     repeated once, from each token of the repeat at the token after its earlier copy (the brute-force answer)."""
     model, _ = task_model.new_model(spec)
-    layer = model.model.layers[task_model.copy_layer(spec)].self_attn
+    layer = model.model.layers[copy_circuit.copy_layer(spec)].self_attn
     seen = {}
     layer.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0], cos=args[1], sin=args[2]))
     first = torch.randint(len(task_model.SPECIAL_TOKENS), task_model.TASK_VOCAB_SIZE, (60,),
@@ -213,7 +213,7 @@ def _induction_hits(spec: task_model.TaskModelSpec) -> float:
         qkv = torch.nn.functional.linear(x, torch.cat((layer.q_proj.weight, layer.k_proj.weight)))
         qkv = apply_rope(qkv.view(1, ids.shape[1], -1, hd), seen["cos"], seen["sin"])
     hits = []
-    for h in task_model.copy_heads(spec):
+    for h in copy_circuit.copy_heads(spec):
         kv = spec.num_heads + h // (spec.num_heads // spec.num_kv_heads)
         scores = (qkv[0, :, h] @ qkv[0, :, kv].T).tril() + torch.full((121, 121), -1e9).triu(1)
         hits += [int(scores[i].argmax()) == i - 59 for i in range(61, 121)]
@@ -238,11 +238,11 @@ def test_probe_output_is_what_the_copy_heads_write():
 
     spec = dataclasses.replace(TINY, num_kv_heads=2)
     model, _ = task_model.new_model(spec)
-    attn = model.model.layers[task_model.copy_layer(spec)].self_attn
+    attn = model.model.layers[copy_circuit.copy_layer(spec)].self_attn
     outs = []
     attn.register_forward_hook(lambda mod, args, out: outs.append(out))
     ids = torch.randint(5, task_model.TASK_VOCAB_SIZE, (2, 24), generator=torch.Generator().manual_seed(1))
-    probe = task_model.AttentionProbe(task_model.copy_layer(spec), task_model.copy_heads(spec), torch.tensor([0, 1, 1]),
+    probe = task_model.AttentionProbe(copy_circuit.copy_layer(spec), copy_circuit.copy_heads(spec), torch.tensor([0, 1, 1]),
                                       torch.tensor([5, 9, 23]), torch.tensor([2, 3, 4]))
     with torch.no_grad():
         model(ids, probe)
@@ -260,7 +260,7 @@ def test_frozen_circuit_stays_as_built():
     before = {k: v.clone() for k, v in model.hf_state_dict().items()}
     after = task_model.train(TINY, task_model.build_task_tokenizer(), bf16=False)
     names = {id(p): n for n, p in model.named_parameters()}
-    for weight, index in task_model.circuit_slices(TINY, model):
+    for weight, index in copy_circuit.circuit_slices(TINY, model):
         name = names[id(weight)]
         torch.testing.assert_close(after[name][index], before[name][index].to(torch.bfloat16), atol=0, rtol=0)
     assert not torch.equal(after["model.layers.0.mlp.down_proj.weight"],
@@ -307,8 +307,8 @@ def test_training_model_is_hf_llama():
     transformers = pytest.importorskip("transformers")
     model = task_model.TrainLlama(TINY.model_config())
     task_model.init_weights(model, seed=3)
-    read, write = task_model.init_previous_token_head(model, seed=3)
-    task_model.init_induction_head(model, read, write, seed=3, heads=1, sharpness=4.0)  # and TINY's rope_theta
+    read, write = copy_circuit.init_previous_token_head(model, seed=3)
+    copy_circuit.init_induction_head(model, read, write, seed=3, heads=1, sharpness=4.0)  # and TINY's rope_theta
     cfg = transformers.LlamaConfig(**{k: v for k, v in TINY.hf_config().items() if k not in ("architectures", "dtype")})
     hf = transformers.LlamaForCausalLM(cfg).eval()
     missing, unexpected = hf.load_state_dict(model.hf_state_dict(), strict=False)

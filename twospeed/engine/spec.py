@@ -247,7 +247,7 @@ class Speculator:
         as measured for this shape where the engine has run both (MeasuredSteps), else as the cost model predicts."""
         if not shape.draft_tokens:
             return 0.0
-        measured = None if shape.prefill_tokens else self.measured.ratio(shape.decode_tokens, shape.draft_tokens)
+        measured = None if shape.prefill_tokens else self.measured.times(shape.decode_tokens, shape.draft_tokens)
         verify, plain = measured or (model.predict(shape), model.predict(shape.without_drafts()))
         if plain <= 0:
             return 0.0

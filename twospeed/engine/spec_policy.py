@@ -193,7 +193,7 @@ class MeasuredSteps:
         old = table.get(key)
         table[key] = seconds if old is None else STEP_DECAY * old + (1 - STEP_DECAY) * seconds
 
-    def ratio(self, decode_tokens: int, draft_tokens: int) -> tuple[float, float] | None:
+    def times(self, decode_tokens: int, draft_tokens: int) -> tuple[float, float] | None:
         """(verify step seconds, plain step seconds) of this shape, if both were measured."""
         verify, plain = self.verify.get((decode_tokens, draft_tokens)), self.plain.get(decode_tokens)
         return None if verify is None or plain is None or plain <= 0 else (verify, plain)

@@ -99,12 +99,8 @@ class OneDnnPacking:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         m = x2.shape[0]
-        padded = onednn_rows(m)
-        if padded != m:
-            xp = x2.new_empty(padded, self.in_features)
-            xp[:m] = x2
-            xp[m:].zero_()
-            x2 = xp
+        if (padded := onednn_rows(m)) != m:
+            x2 = F.pad(x2, (0, 0, 0, padded - m))  # zero rows: their outputs are dropped
         y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
         return y[:m].view(*lead, y.shape[-1])
 

@@ -1,0 +1,130 @@
+"""The copy circuit a task model starts with (model/task_model.py): a previous-token head in layer 0 and an
+induction head (or a plain copier) in the copy layer, built into the weights before training.
+
+Why: at a few million parameters and a few minutes of training, a model learns every lane's format but not to
+copy an id or a passage number out of its prompt (each rare token is seen too seldom to learn its own copy). The
+circuit copies any token by construction; training then only teaches where to look. `circuit_slices` names the
+weights the recipe may hold fixed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from twospeed.model.train_llama import TrainLlama
+
+if TYPE_CHECKING:
+    from twospeed.model.task_model import TaskModelSpec
+
+
+def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int = 1, layer: int = -1) -> None:
+    """Start the last layer's first `heads` heads (the ones the attention probe teaches where to look) as one
+    copier: their values and outputs project the attended token's residual back into the stream through
+    disjoint blocks of one orthonormal basis, so with tied embeddings it raises the attended token's logit
+    from step one. Heads x head_dim = hidden makes the copy full rank: every token's identity survives it."""
+    cfg = model.cfg
+    if heads > cfg.num_kv_heads or heads * cfg.head_dim > cfg.hidden_size:
+        raise ValueError(f"{heads} copy heads need as many kv heads and heads x head_dim <= hidden")
+    attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(seed + 1)
+    hd, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    basis = torch.linalg.qr(torch.randn(cfg.hidden_size, heads * hd, generator=gen))[0]  # [hidden, heads * hd]
+    with torch.no_grad():
+        for i in range(heads):
+            block = basis[:, i * hd:(i + 1) * hd]
+            head = i * group  # the first query head of kv head i
+            attn.v_proj.weight[i * hd:(i + 1) * hd] = block.T * gain
+            attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
+
+
+def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0,
+                             gain: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start layer 0's head 0 as a previous-token head: a constant direction in every embedding gives it the
+    same query and key everywhere, whose RoPE phases peak at one position back; its values copy the previous
+    token's embedding into a subspace of its own. Copying a span then only has to match "the token before
+    this one" against what was just written, the induction step."""
+    cfg = model.cfg
+    attn = model.model.layers[0].self_attn
+    hd, half = cfg.head_dim, cfg.head_dim // 2
+    inv_freq = model.inv_freq  # [hd/2], RoPE pairs dim i with i + hd/2
+    planes = torch.arange(half)[inv_freq > 0.1]  # the fast planes tell one position from the next
+    gen = torch.Generator().manual_seed(seed + 2)
+    read, write = (torch.linalg.qr(torch.randn(cfg.hidden_size, hd, generator=gen))[0] for _ in range(2))
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 5 * emb[:, 1:].std()  # the constant direction: after RMSNorm about 5 at every position
+        amp = (sharpness * hd ** 0.5 / len(planes)) ** 0.5 / 5
+        for w in (attn.q_proj.weight, attn.k_proj.weight):
+            w[:hd] = 0.0
+        attn.q_proj.weight[planes, 0] = amp * torch.cos(-inv_freq[planes])
+        attn.q_proj.weight[planes + half, 0] = amp * torch.sin(-inv_freq[planes])
+        attn.k_proj.weight[planes, 0] = amp
+        attn.v_proj.weight[:hd] = read.T
+        attn.o_proj.weight[:, :hd] = write * gain
+    return read, write
+
+
+SLOW_SPAN = 1024  # positions over which an induction head's RoPE planes may turn at most one radian
+
+
+def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tensor, seed: int, heads: int,
+                        sharpness: float, gain: float = 1.0, layer: int = -1) -> None:
+    """Start the last layer's first `heads` heads as one induction head: at position i they look at every j
+    whose previous token is token i, and copy token j. Queries read the current token through the previous-
+    token head's read basis; keys read what that head wrote (the token before j); both only in RoPE's slow
+    planes, which barely turn over the context, so the match is by content at any distance. Values and outputs
+    copy the attended position's residual outside the previous-token subspace (full rank there), so the copy
+    names token j, not the one before it. The probe and the copy loss then refine what this starts."""
+    cfg = model.cfg
+    hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
+    if heads > cfg.num_kv_heads or heads * hd > cfg.hidden_size - hd:
+        raise ValueError(f"{heads} induction heads need as many kv heads and heads x head_dim <= hidden - head_dim")
+    slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]  # < 1 rad over SLOW_SPAN positions
+    dims = torch.cat((slow, slow + half))
+    attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(seed + 3)
+    free = torch.randn(cfg.hidden_size, heads * hd, generator=gen)
+    free -= write @ (write.T @ free)  # outside what the previous-token head writes
+    basis = torch.linalg.qr(free)[0]
+    with torch.no_grad():
+        for i in range(heads):
+            head = i * group
+            q = attn.q_proj.weight[head * hd:(head + 1) * hd]
+            k = attn.k_proj.weight[i * hd:(i + 1) * hd]
+            q.zero_()
+            k.zero_()
+            cols = torch.arange(hd).roll(-i * hd // heads)[:len(dims)]  # each head matches its own share
+            q[dims] = sharpness * read[:, cols].T
+            k[dims] = write[:, cols].T
+            block = basis[:, i * hd:(i + 1) * hd]
+            attn.v_proj.weight[i * hd:(i + 1) * hd] = block.T * gain
+            attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
+
+
+def circuit_slices(spec: TaskModelSpec, model: TrainLlama) -> list[tuple[torch.Tensor, tuple]]:
+    """The weights of the built circuit (the previous-token head, the induction heads, the embeddings' constant
+    direction) as (tensor, index) pairs."""
+    hd, group = spec.head_dim, spec.num_heads // spec.num_kv_heads
+    first, last = model.model.layers[0].self_attn, model.model.layers[copy_layer(spec)].self_attn
+    out = [(model.model.embed_tokens.weight, (slice(None), 0))]
+    out += [(w, (slice(0, hd),)) for w in (first.q_proj.weight, first.k_proj.weight, first.v_proj.weight)]
+    out.append((first.o_proj.weight, (slice(None), slice(0, hd))))
+    for i in range(spec.copy_heads):
+        head = i * group
+        if not spec.learn_queries:
+            out.append((last.q_proj.weight, (slice(head * hd, (head + 1) * hd),)))
+        out += [(w, (slice(i * hd, (i + 1) * hd),)) for w in (last.k_proj.weight, last.v_proj.weight)]
+        out.append((last.o_proj.weight, (slice(None), slice(head * hd, (head + 1) * hd))))
+    return out
+
+
+def copy_layer(spec: TaskModelSpec) -> int:
+    """The layer whose heads copy (the probe's): `spec.copy_layer`, counted from the end when negative."""
+    return spec.copy_layer % spec.num_layers
+
+
+def copy_heads(spec: TaskModelSpec) -> tuple[int, ...]:
+    """The last layer's heads the probe teaches: the first query head of each of the first `copy_heads` kv heads."""
+    return tuple(i * (spec.num_heads // spec.num_kv_heads) for i in range(spec.copy_heads))
