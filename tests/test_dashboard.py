@@ -156,11 +156,11 @@ def test_history_memory_stays_under_its_stated_cap_in_a_soak():
 
 
 def test_a_failing_listener_is_logged_and_the_others_still_hear(caplog):
-    from twospeed.server.async_engine import AsyncEngine
+    from twospeed.server.engine_loop import EngineLoop
 
     heard = []
-    ae = AsyncEngine(lambda: None, listeners=[lambda e: 1 / 0, heard.append])
-    ae._emit(FaultEvent("request"))
+    loop = EngineLoop(None, None, listeners=[lambda e: 1 / 0, heard.append])
+    loop._emit(FaultEvent("request"))
     assert heard == [FaultEvent("request")] and "listener" in caplog.text
 
 

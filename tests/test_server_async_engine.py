@@ -12,7 +12,8 @@ import pytest
 from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec
+from twospeed.server.async_engine import AsyncEngine
+from twospeed.server.request_group import RequestGroup, SequenceSpec
 from twospeed.server.events import FinishEvent
 
 

@@ -145,6 +145,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "default, as OpenAI and vLLM) or cut to the room (clamp)")
     parser.add_argument("--prep-threads", type=int,
                         help="worker threads that parse, tokenize and compile requests off the event loop (default 2)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="step the engine in a process of its own, where the HTTP side never takes the GIL from "
+                             "a step (the default); --no-engine-process: in a thread of the server's process")
     parser.add_argument("--history-minutes", type=float,
                         help="minutes of steps and requests /dashboard keeps in memory (default 15)")
     parser.add_argument("--history-requests", type=int, help="ended sequences /dashboard keeps (default 4096)")

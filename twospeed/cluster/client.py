@@ -26,12 +26,12 @@ from typing import Any
 from twospeed.cluster.config import ClusterConfig
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import RouterMetrics, merge_expositions
-from twospeed.cluster.model_view import ClusterModel, ReplicaFacts, load_tokenizer
+from twospeed.server.engine_view import EngineView, EngineFacts, load_tokenizer
 from twospeed.cluster.router import Decision, ReplicaLoad, Router, make_router
-from twospeed.cluster.wire import Admitted, Assembler, Batch, Load, Refused, RoutedGroup, TimeBase
+from twospeed.server.wire import Admitted, Assembler, Batch, Load, Refused, RoutedGroup, TimeBase
 from twospeed.engine.admission import check_params, check_prompt
 from twospeed.engine.sampling_params import InvalidParam
-from twospeed.server.async_engine import RequestGroup, ShutdownError, StreamItem
+from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
 from twospeed.server.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class ReplicaSlot:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)  # what the router decides on
     running: int = 0
     cached_blocks: int = 0
-    facts: ReplicaFacts | None = None
+    facts: EngineFacts | None = None
     instances: int = 0  # instances seen (1 + restarts)
     lost: int = 0  # requests it was running when it died
     routed: dict[str, int] = field(default_factory=dict)  # reason -> requests
@@ -77,7 +77,7 @@ class ClusterEngine:
         self.slots = [ReplicaSlot(name, handle) for name, handle in handles.items()]
         self.metrics = RouterMetrics(model_name, [s.name for s in self.slots])
         self.base = TimeBase()
-        self.model: ClusterModel | None = None
+        self.model: EngineView | None = None
         self.router: Router | None = None
         self._streams: dict[RequestGroup, _Stream] = {}
         self._ready: asyncio.Task | None = None
@@ -87,16 +87,16 @@ class ClusterEngine:
     def start(self) -> None:
         self._ready = asyncio.get_running_loop().create_task(self._start())
 
-    async def ready(self) -> ClusterModel:
+    async def ready(self) -> EngineView:
         return await asyncio.shield(self._ready)
 
-    async def _start(self) -> ClusterModel:
+    async def _start(self) -> EngineView:
         facts = await asyncio.gather(*(s.handle.describe.remote() for s in self.slots))
         for slot, f in zip(self.slots, facts):
             self._seen(slot, f.instance)
             slot.facts = f
         tokenizer = await asyncio.to_thread(load_tokenizer, facts[0].config)
-        self.model = ClusterModel(list(facts), tokenizer)
+        self.model = EngineView(list(facts), tokenizer)
         c = self.config
         options = {}
         if c.router == "prefix":

@@ -1,30 +1,30 @@
 """EngineReplica: one engine replica on Ray Serve — `twospeed serve` without the HTTP, behind the ingress.
 
 Each replica is a Ray actor (a Ray Serve deployment of one replica, engine-0 .. engine-N-1) holding a headless
-ServerState: the engine in its own thread (AsyncEngine), the lanes' SLOs judging every finished sequence, the
-Prometheus metrics and the dashboard's history as its listeners, worker threads for grammar compiles. It sets
-its own torch/OpenMP threads before the engine is built.
+ServerState: the engine in a process of its own (ProcessEngine; a thread with engine_process off), the lanes'
+SLOs judging every finished sequence, the Prometheus metrics and the dashboard's history as its listeners,
+worker threads for grammar compiles. It sets its own torch/OpenMP threads before the engine is built.
 
 The ingress calls:
 - generate(RoutedGroup) -> a stream: Admitted or Refused, then Batches of Deltas (wire.py). The request's
   arrival is the ingress's (converted to this machine's clock), `routed` is its arrival here, so the clock's
   ttft is measured from the ingress and route_time is the hop. Cancelling the stream aborts the sequences.
 - describe(), ping() (instance id, actor, load), metrics() (the Prometheus text), history(since).
-Ray Serve calls check_health() and restarts a replica whose engine thread died, or whose process did.
+Ray Serve calls check_health() and restarts a replica whose engine died, or whose process did.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import socket
 import time
 import uuid
 from functools import partial
 
-from twospeed.cluster.model_view import ReplicaFacts
-from twospeed.cluster.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
+from twospeed.server.engine_view import EngineFacts
+from twospeed.server.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
 from twospeed.config import EngineConfig
-from twospeed.server.async_engine import RequestGroup
+from twospeed.server.request_group import RequestGroup
 from twospeed.server.config import ServerConfig
 from twospeed.server.events import EngineEvent, LoadEvent
 from twospeed.server.state import ServerState
@@ -43,7 +43,11 @@ class EngineReplica:
         self.base = TimeBase()
         self._kv_usage, self._cached_blocks = 0.0, 0
         model_name = server_config.served_model_name or engine_config.model
-        self.state = ServerState(partial(LLMEngine, engine_config), server_config, model_name)
+        # the engine in a process of its own (server/engine_process.py): Ray's event loop here, which carries every
+        # stream's messages, then never takes the GIL from a step
+        source = (dataclasses.replace(engine_config, num_threads=engine_config.num_threads or threads)
+                  if server_config.engine_process else partial(LLMEngine, engine_config))
+        self.state = ServerState(source, server_config, model_name)
         self.state.async_engine.listeners.append(self._on_event)
         await self.state.start()
 
@@ -91,12 +95,8 @@ class EngineReplica:
         if spec is not None:
             await self.state.run(self.state.engine.grammars.compile, spec)
 
-    async def describe(self) -> ReplicaFacts:
-        engine = self.state.engine
-        return ReplicaFacts(self.name, self.instance, _actor_name(), socket.gethostname(), engine.config,
-                            engine.model_config, engine.dtype, engine.limits, engine.scheduler_config,
-                            engine.num_blocks, engine.eos_token_ids, self.state.kv_bytes_per_block,
-                            engine.memory())
+    async def describe(self) -> EngineFacts:
+        return EngineFacts.of(self.state.engine, self.name, self.instance, _actor_name())
 
     async def ping(self) -> tuple[str, str, Load]:
         return self.instance, _actor_name(), self.load()
@@ -109,7 +109,7 @@ class EngineReplica:
 
     def check_health(self) -> None:
         if not self.state.async_engine.is_alive:
-            raise RuntimeError(f"replica {self.name}: the engine thread is not running")
+            raise RuntimeError(f"replica {self.name}: the engine is not running")
 
     async def __del__(self):
         await self.state.stop()

@@ -38,8 +38,9 @@ class CpuSample:
     own: float  # CPU seconds this process used since it started
 
 
-def read_sample() -> CpuSample | None:
-    """The machine's busy time and this process's CPU time now; None where /proc/stat is not readable."""
+def read_sample(family: tuple[int, ...] = ()) -> CpuSample | None:
+    """The machine's busy time and this process's CPU time now (plus that of the `family` processes: an engine
+    process counts its server's as its own); None where /proc/stat is not readable."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()[1:]
@@ -48,7 +49,18 @@ def read_sample() -> CpuSample | None:
     hz = os.sysconf("SC_CLK_TCK")
     busy = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / hz
     t = os.times()
-    return CpuSample(time.monotonic(), busy, t.user + t.system)
+    return CpuSample(time.monotonic(), busy, t.user + t.system + sum(_process_cpu(pid, hz) for pid in family))
+
+
+def _process_cpu(pid: int, hz: int) -> float:
+    """CPU seconds (user + system) process `pid` has used; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state is fields[0], utime fields[11]
+    return (int(fields[11]) + int(fields[12])) / hz
 
 
 def usable_cores() -> int:

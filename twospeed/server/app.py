@@ -8,8 +8,8 @@ is set, unless guard.OPEN_PATHS opens its prefix with a flag.
 
 Every response carries the split clock and bill: a `twospeed` object in the body (and in the final
 streamed chunk of each choice), a Server-Timing header on non-streaming responses, and in every streamed
-chunk the number of tokens it holds and when the server emitted each. The engine runs in AsyncEngine's
-thread.
+chunk the number of tokens it holds and when the server emitted each. The engine runs in a process of its own
+(engine_process.py), or in AsyncEngine's thread when it was built here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         from twospeed.engine.engine import LLMEngine
-        source = engine if engine is not None else partial(LLMEngine, engine_config)
+        source = engine
+        if source is None:  # the engine's own process (engine_process.py), or a thread that builds it
+            source = engine_config if server_config.engine_process else partial(LLMEngine, engine_config)
         state = ServerState(source, server_config, server_config.served_model_name or engine_config.model, client)
         await state.start()
         app.state.twospeed = state

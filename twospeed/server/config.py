@@ -29,6 +29,9 @@ class ServerConfig:
     # "clamp" = cut to the room. One it did not set (completions' default 16) is cut to the room either way.
     max_tokens_policy: Literal["error", "clamp"] = "error"
     prep_threads: int = 2  # worker threads that parse, tokenize, render and compile requests off the event loop
+    # The engine in a process of its own (server/engine_process.py: no HTTP work takes the GIL from a step), or in
+    # a thread of the server's process (False: one process, as an embedded engine runs).
+    engine_process: bool = True
     history_minutes: float = 15.0  # minutes of steps and requests the dashboard's history keeps (server/history.py)
     history_requests: int = 4096  # ended sequences the history keeps with their clock and bill
     price: str | None = None  # the dashboard's price table: "INPUT,CACHED,OUTPUT" dollars per 1M tokens

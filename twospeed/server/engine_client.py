@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from twospeed.server.async_engine import RequestGroup
+from twospeed.server.request_group import RequestGroup
 
 
 @runtime_checkable

@@ -8,12 +8,15 @@ it. One that raises is logged and the others still run.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from twospeed.engine.engine import StepStats
-from twospeed.engine.request import Request
+from twospeed.engine.request import Bill, Clock, Request, SpecTrace
 from twospeed.server.slo import Verdict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -34,11 +37,29 @@ class LoadEvent:
 
 
 @dataclass(slots=True)
+class EndedSequence:
+    """What a listener or the judge reads of an ended Request, for one that ended in another process (the engine
+    process sends this, not the Request)."""
+
+    request_id: str
+    clock: Clock
+    bill: Bill
+    num_preemptions: int
+    finish_reason: str | None
+    spec: SpecTrace | None  # speculation's acceptance trace (None: the engine does not speculate)
+
+    @classmethod
+    def of(cls, request: Request) -> "EndedSequence":
+        return cls(request.request_id, request.clock, request.bill, request.num_preemptions, request.finish_reason,
+                   request.spec)
+
+
+@dataclass(slots=True)
 class FinishEvent:
     """A sequence ended: finished by the engine (stop, length, error) or aborted (client gone, shutdown)."""
 
     lane: str
-    request: Request  # read it during the call only
+    request: Request | EndedSequence  # read it during the call only
     aborted: bool
     verdict: Verdict | None  # the lane's SLO verdict; None when aborted
 
@@ -63,3 +84,12 @@ class FaultEvent:
 
 EngineEvent = StepEvent | LoadEvent | FinishEvent | FaultEvent
 Listener = Callable[[EngineEvent], None]
+
+
+def tell(listeners: list[Listener], event: EngineEvent) -> None:
+    """Tell every listener; one that raises is logged and the rest still hear it."""
+    for listener in listeners:
+        try:
+            listener(event)
+        except Exception:
+            log.exception("listener %r failed on %s", listener, type(event).__name__)

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from twospeed.server.async_engine import SequenceSpec
+from twospeed.server.request_group import SequenceSpec
 from twospeed.server.body import load_body, validate_sliced
 from twospeed.server.errors import APIError, UnsupportedValue
 from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,

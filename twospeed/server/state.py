@@ -14,13 +14,16 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from twospeed.server.async_engine import AsyncEngine, RequestGroup, SequenceSpec, ShutdownError, monotonic_to_unix
+from twospeed.config import EngineConfig
+from twospeed.server.async_engine import AsyncEngine, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.server.engine_client import EngineClient
+from twospeed.server.engine_process import ProcessEngine
 from twospeed.server.errors import APIError
 from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
 from twospeed.server.prepare import Preparer
+from twospeed.server.request_group import RequestGroup, SequenceSpec, ShutdownError
 from twospeed.server.slo import DEFAULT_LANE, SLOTable, Verdict
 from twospeed.server.workers import WorkerPool
 
@@ -31,7 +34,8 @@ class ServerState:
     """What the handlers share: the engine wrapper, the tokenizer, metrics, lanes, the draining flag."""
 
     def __init__(self, engine, server_config: ServerConfig, model_name: str, client: EngineClient | None = None):
-        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why).
+        """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why), or an
+        EngineConfig: the engine is built and stepped in a process of its own (engine_process.py).
         client: another EngineClient to serve with instead (engine_client.py; the cluster's router over replicas),
         which then owns the metrics and history its /metrics and /dashboard show."""
         self.engine = None  # the engine's read-only facts once started (an LLMEngine here): config, tokenizer
@@ -42,8 +46,13 @@ class ServerState:
         self.slos = SLOTable(server_config.lanes())
         self.metrics = ServerMetrics(model_name, lanes=(DEFAULT_LANE, *self.slos.lanes))
         self.history = History(server_config.history())
-        self.async_engine: EngineClient = client if client is not None else AsyncEngine(
-            engine, judge=self._judge, listeners=[self.metrics.on_event, self.history.on_event])
+        listeners = [self.metrics.on_event, self.history.on_event]
+        if client is not None:
+            self.async_engine: EngineClient = client
+        elif isinstance(engine, EngineConfig):
+            self.async_engine = ProcessEngine(engine, judge=self._judge, listeners=listeners)
+        else:
+            self.async_engine = AsyncEngine(engine, judge=self._judge, listeners=listeners)
         self.to_unix = monotonic_to_unix()
         self.draining = False
         self.created = int(time.time())

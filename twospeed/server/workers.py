@@ -49,12 +49,13 @@ class WorkerPool:
             except BaseException as e:  # handed to the awaiting handler, never lost
                 result, error = None, e
             try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                loop.call_soon_threadsafe(resolve_future, future, error, result)
             except RuntimeError:  # the loop is closed: the server is gone
                 return
 
 
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def resolve_future(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+    """Settle a future another thread answered (run on its event loop); a cancelled one stays as it is."""
     if future.done():
         return
     if error is None:

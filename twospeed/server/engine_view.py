@@ -1,15 +1,17 @@
-"""The ingress's view of the engine its replicas run: their facts, checked to agree, with a tokenizer of its own.
+"""An engine built in another process, seen from this one: its facts, with a tokenizer of its own.
 
-The ingress prepares and validates every request exactly as `twospeed serve` does (server/prepare.py, and the
-admission table, engine/admission.py), so a request that would fail a replica is refused before it is routed,
-with the same 400. That needs what a local LLMEngine offers read-only: the model's limits, the scheduler's
-config, the tokenizer and the grammar compiler. ClusterModel offers exactly that surface; the limits come from
-the replicas (which built the engine), the tokenizer is loaded here from the same checkpoint folder (on a
-multi-node cluster, the folder must be at the same path on every node, as the replicas need it too).
+The server prepares and validates every request before the engine sees it (server/prepare.py, and the admission
+table, engine/admission.py), so a bad request gets its 400 without a round trip. That needs what a local
+LLMEngine offers read-only: the model's limits, the scheduler's config, the tokenizer and the grammar compiler.
+EngineView offers exactly that surface, for an engine in a process of its own (engine_process.py) or for the
+replicas of a cluster (twospeed/cluster/: their facts checked to agree): the limits come from the engine that
+was built, the tokenizer is loaded here from the same checkpoint folder (on a multi-node cluster, the folder must
+be at the same path on every node, as the replicas need it too).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from dataclasses import dataclass, replace
 
@@ -19,12 +21,12 @@ from twospeed.engine.engine import EngineMemory, LLMEngine
 
 
 @dataclass(slots=True)
-class ReplicaFacts:
-    """What a replica says about itself when asked (EngineReplica.describe)."""
+class EngineFacts:
+    """What an engine says about itself once built (a replica's EngineReplica.describe, the engine process's ready)."""
 
-    name: str  # the deployment: engine-0, engine-1, ...
-    instance: str  # changes when the replica restarts (a new process, an empty cache)
-    actor: str  # its Ray actor's name (namespace "serve")
+    name: str  # the deployment: engine-0, engine-1, ... ("engine" for `twospeed serve`'s engine process)
+    instance: str  # changes when the engine restarts (a new process, an empty cache)
+    actor: str  # its Ray actor's name (namespace "serve"); its process id for an engine process
     node: str  # the host it runs on
     config: EngineConfig
     model_config: ModelConfig
@@ -36,7 +38,15 @@ class ReplicaFacts:
     kv_bytes_per_block: int
     memory: EngineMemory  # its weight and KV formats and pool, in bytes (LLMEngine.memory)
 
-    def mismatch(self, other: "ReplicaFacts") -> str | None:
+    @classmethod
+    def of(cls, engine: LLMEngine, name: str, instance: str, actor: str) -> "EngineFacts":
+        """The facts of an engine built in this process."""
+        memory = engine.memory()
+        return cls(name, instance, actor, socket.gethostname(), engine.config, engine.model_config, engine.dtype,
+                   engine.limits, engine.scheduler_config, engine.num_blocks, engine.eos_token_ids,
+                   memory.block_bytes, memory)
+
+    def mismatch(self, other: "EngineFacts") -> str | None:
         """How this replica's engine differs from another's in what the ingress relies on, or None."""
         for what, a, b in (("model", self.config.model, other.config.model),
                            ("block_size", self.config.cache.block_size, other.config.cache.block_size),
@@ -48,10 +58,10 @@ class ReplicaFacts:
         return None
 
 
-class ClusterModel:
+class EngineView:
     """LLMEngine's read-only surface (config, limits, tokenizer, grammars, ...) for the engine every replica runs."""
 
-    def __init__(self, facts: list[ReplicaFacts], tokenizer):
+    def __init__(self, facts: list[EngineFacts], tokenizer):
         first = facts[0]
         for other in facts[1:]:
             if (problem := first.mismatch(other)) is not None:

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from twospeed import LLM, SamplingParams
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import merge_expositions
-from twospeed.cluster.wire import STAMPS, Assembler, Encoder, TimeBase, shift_clock
+from twospeed.server.wire import STAMPS, Assembler, Encoder, TimeBase, shift_clock
 from twospeed.engine.request import Clock, RequestOutput
-from twospeed.server.async_engine import EngineError, SequenceSpec, ShutdownError, StreamItem
+from twospeed.server.request_group import EngineError, SequenceSpec, ShutdownError, StreamItem
 from twospeed.server.events import FinishEvent, StepEvent
 from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics

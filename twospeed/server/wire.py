@@ -1,4 +1,5 @@
-"""What crosses the hop between the ingress and a replica, and the clock's time base on each side.
+"""What crosses a process boundary between the HTTP side and an engine (a cluster's ingress and a replica; the
+server and its engine process), and the clock's time base on each side.
 
 The ingress sends a RoutedGroup (the prepared sequences, the lane, the arrival); the replica answers with a
 stream of messages: first Admitted (or Refused, the engine's ValueError with its field), then Batches of Deltas
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from twospeed.engine.request import Bill, Clock, Logprob, RequestOutput, SpecTrace
-from twospeed.server.async_engine import EngineError, SequenceSpec, ShutdownError, StreamItem
+from twospeed.server.request_group import EngineError, SequenceSpec, ShutdownError, StreamItem
 from twospeed.server.slo import Verdict
 
 STAMPS = ("arrival", "first_scheduled", "prefill_done", "first_token", "finished", "routed")  # Clock's time fields
@@ -31,8 +32,9 @@ STAMPS = ("arrival", "first_scheduled", "prefill_done", "first_token", "finished
 class TimeBase:
     """This process's time.monotonic() <-> Unix seconds (offset fixed at creation)."""
 
-    def __init__(self) -> None:
-        self.offset = time.time() - time.monotonic()
+    def __init__(self, offset: float | None = None) -> None:
+        """offset 0: the "Unix" seconds are monotonic ones (two processes on one host share that clock)."""
+        self.offset = time.time() - time.monotonic() if offset is None else offset
 
     def to_unix(self, t: float) -> float:
         return t + self.offset

@@ -1,0 +1,176 @@
+"""ProcessEngine: the engine stepped in a process of its own gives exactly what the engine in this process gives
+(greedy tokens, the clock's stamps, the bill, the SLO verdict), refuses bad input with the field named and keeps
+serving, returns every KV block on abort, ends open streams with an error when its process dies, and its
+process exits when the server's does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from twospeed.config import EngineConfig
+from twospeed.engine.engine import LLMEngine
+from twospeed.engine.sampling_params import SamplingParams
+from twospeed.server.engine_process import ProcessEngine
+from twospeed.server.events import FinishEvent, LoadEvent, StepEvent
+from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec
+from twospeed.server.slo import SLOTable, parse_slo_flag
+
+CONFIG = EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 20]]
+
+
+def group(*prompts, max_tokens=6, name="g", lane="default") -> RequestGroup:
+    specs = [SequenceSpec(f"{name}-{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0), i)
+             for i, p in enumerate(prompts)]
+    return RequestGroup(lane, 0, time.monotonic(), specs)
+
+
+async def finish(g: RequestGroup, timeout: float = 60.0) -> list:
+    items = []
+    while not g.done:
+        items.append(await asyncio.wait_for(g.next(), timeout))
+    return items
+
+
+async def until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
+    reference = LLMEngine(CONFIG)
+    expected = {}
+    for i, p in enumerate(PROMPTS):
+        reference.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0))
+    while reference.has_unfinished_requests():
+        for out in reference.step():
+            if out.finished:
+                expected[out.request_id] = out.token_ids
+    slos = SLOTable([parse_slo_flag("chat:ttft_p99=60s")])
+    events = []
+
+    async def main():
+        pe = ProcessEngine(CONFIG, judge=lambda lane, req: slos.judge(lane, req.clock, req.bill, req.num_preemptions),
+                           listeners=[events.append])
+        pe.start()
+        try:
+            view = await pe.ready()
+            assert view.num_blocks == reference.num_blocks and view.max_model_len == 128
+            assert view.tokenizer.encode("hello") == reference.tokenizer.encode("hello")
+            # bad input: refused whole with its field named, nothing left in the engine
+            with pytest.raises(ValueError, match="max_model_len|room|exceed") as err:
+                await pe.add(group([1] * 200, max_tokens=4, name="long"))
+            assert getattr(err.value, "param", None) is not None
+            g = group(*PROMPTS, lane="chat")
+            await pe.add(g)
+            items = await finish(g)
+            last = {it.request_id: it for it in items if it.finished}
+            for i in range(len(PROMPTS)):
+                out = last[f"g-{i}"].output
+                assert out.token_ids == expected[f"r{i}"], i
+                assert out.bill.prompt_tokens == len(PROMPTS[i]) and out.bill.output_tokens == 6
+                clock = out.clock
+                assert clock.arrival <= clock.first_scheduled <= clock.first_token <= clock.finished <= time.monotonic()
+                assert len(clock.token_times) == 6 and last[f"g-{i}"].verdict.met
+            streamed = {}
+            for it in items:  # the items' tokens add up to the whole output, stamped in this process's clock
+                streamed.setdefault(it.request_id, []).extend(it.output.new_token_ids)
+            assert streamed == {rid: it.output.token_ids for rid, it in last.items()}
+            await until(lambda: pe.num_running == 0 and pe.num_waiting == 0)
+        finally:
+            await pe.shutdown()
+        assert not pe.is_alive and pe._proc.exitcode == 0
+
+    asyncio.run(main())
+    finishes = [e for e in events if isinstance(e, FinishEvent)]
+    assert sorted(e.request.request_id for e in finishes) == ["g-0", "g-1", "g-2"]
+    assert all(e.verdict is not None and e.verdict.met and e.counts()["output_tokens"] == 6 for e in finishes)
+    assert any(isinstance(e, StepEvent) for e in events)
+    assert isinstance([e for e in events if isinstance(e, LoadEvent)][-1], LoadEvent)
+
+
+def test_an_abort_returns_every_block_and_a_dead_engine_ends_its_streams():
+    loads = []
+
+    async def main():
+        pe = ProcessEngine(CONFIG, listeners=[lambda e: isinstance(e, LoadEvent) and loads.append(e)])
+        pe.start()
+        try:
+            await pe.ready()
+            g = group([5, 6, 7], max_tokens=100, name="long")
+            await pe.add(g)
+            first = await asyncio.wait_for(g.next(), 60)
+            assert first.output is not None and not first.finished
+            pe.abort(g)
+            items = await finish(g)
+            assert items[-1].output is None  # aborted
+            await until(lambda: loads and loads[-1].kv_usage == 0.0 and pe.num_running == 0)
+            # the engine process dies mid-stream: the stream ends with an error, not a hang
+            g = group([5, 6, 7], max_tokens=100, name="doomed")
+            await pe.add(g)
+            await asyncio.wait_for(g.next(), 60)
+            os.kill(pe.pid, 9)
+            items = await finish(g, timeout=30)
+            assert isinstance(items[-1].error, EngineError) and "exited" in str(items[-1].error)
+            await until(lambda: not pe.is_alive)
+            with pytest.raises(RuntimeError, match="exited"):
+                await pe.add(group([5, 6], name="late"))
+        finally:
+            await pe.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_builder_error_reaches_ready():
+    async def main():
+        pe = ProcessEngine(EngineConfig.from_kwargs("/no/such/checkpoint"))
+        pe.start()
+        with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+            await pe.ready()
+        await pe.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_engine_process_exits_when_the_server_process_dies(tmp_path):
+    script = textwrap.dedent("""
+        import asyncio, os, sys
+        from twospeed.config import EngineConfig
+        from twospeed.server.engine_process import ProcessEngine
+
+        async def main():
+            pe = ProcessEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1))
+            pe.start()
+            await pe.ready()
+            print(pe.pid, flush=True)
+            os._exit(0)  # no shutdown: as if killed
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """)
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the engine process outlived its server"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,226 @@
+"""EngineLoop: the one place an LLMEngine is stepped — commands in, each step's outputs and events out.
+
+The loop is synchronous and owns the engine alone: only the thread that runs `run()` touches it. Other threads
+talk to it through `submit()` (add a group of sequences, abort some, abort all, stop); between steps it drains
+those commands, so an add or an abort waits at most one step, and when there is no work it sleeps on an event
+instead of spinning. What it produces goes to a `Sink`, so the same loop serves two homes:
+- a thread of the server's process (async_engine.py: the sink hands items to the event loop);
+- a process of its own (engine_process.py: the sink writes them to a pipe), where no event loop, metrics
+  render or JSON encoder competes with the step for the GIL.
+
+Nothing a request does may kill the loop: add_request's ValueError goes back to the caller; a request the
+engine failed alone (finish_reason "error") gets its error; an exception that escapes a step anyway fails the
+sequences then in flight (each gets the error) and the loop goes on.
+
+What happens is told to listeners (server/events.py: a step ran, the load changed, a sequence ended with its
+SLO verdict, a step failed), in the loop's thread. `judge` gives a finished sequence its verdict before the
+listeners hear of it.
+
+A group here is anything with RequestGroup's admission fields (lane, priority, arrival_time, specs, itl_target,
+speculate, routed_time): the server's RequestGroup in a thread, a plain copy of it in the engine's process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from twospeed.engine.engine import LLMEngine
+from twospeed.engine.request import Request
+from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, Listener, LoadEvent, StepEvent, tell
+from twospeed.server.slo import Verdict
+from twospeed.server.request_group import EngineError, SequenceSpec, StreamItem
+
+log = logging.getLogger(__name__)
+
+Judge = Callable[[str, Request], Verdict | None]  # (lane, finished request) -> its SLO verdict
+
+
+class Sink(Protocol):
+    """Where the loop's results go (called in the loop's thread)."""
+
+    def deliver(self, batch: list[tuple[Any, StreamItem]]) -> None:
+        """Items for their groups: (group, item) in the order they happened."""
+
+    def added(self, token: Any, count: int, error: BaseException | None) -> None:
+        """The add command `token` (of `count` sequences) is done: all added (error None) or none."""
+
+    def flush(self) -> None:
+        """One pass of the loop is over (a step, or a batch of commands): send what was gathered."""
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    group: Any
+    spec: SequenceSpec
+    request: Request
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, sink: Sink, *, judge: Judge | None = None,
+                 listeners: list[Listener] = ()):
+        self.engine = engine
+        self.sink = sink
+        self.judge = judge  # called when a sequence finishes (not when aborted)
+        self.listeners: list[Listener] = list(listeners)  # each called with every EngineEvent, in the loop's thread
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self.num_waiting = 0  # the scheduler's waiting queue, as of the last step or command
+        self.num_running = 0
+        self.steps = 0
+        self.step_failures = 0
+
+    # -- any thread -----------------------------------------------------------------------------
+    def submit(self, *command) -> None:
+        """("add", group, token) | ("abort", [request ids]) | ("abort_all",): done before the next step."""
+        self._commands.put(command)
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Abort what is left and return from run() (after the step in progress)."""
+        self._commands.put(("abort_all",))
+        self._stop.set()
+        self._wake.set()
+
+    # -- the loop's thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            self._wake.clear()
+            changed = self._drain_commands()
+            if self._stop.is_set():
+                self._abort_all()
+                self._publish_load()
+                self.sink.flush()
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+                self.sink.flush()
+            else:
+                if changed:
+                    self._publish_load()
+                    self.sink.flush()
+                self._wake.wait(timeout=1.0)
+
+    def _drain_commands(self) -> bool:
+        changed = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return changed
+            changed = True
+            try:
+                if cmd[0] == "add":
+                    self._add(cmd[1], cmd[2])
+                elif cmd[0] == "abort":
+                    batch = [self._abort(rid) for rid in cmd[1]]
+                    self._post([b for b in batch if b is not None])
+                elif cmd[0] == "abort_all":
+                    self._abort_all()
+            except Exception:  # never let one command end the loop
+                log.exception("engine command %s failed", cmd[0])
+
+    def _add(self, group, token) -> None:
+        added: list[str] = []
+        error: BaseException | None = None
+        try:
+            for spec in group.specs:
+                req = self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
+                                              arrival_time=group.arrival_time, priority=group.priority,
+                                              itl_target=group.itl_target, lane=group.lane,
+                                              speculate=group.speculate)
+                req.clock.routed = group.routed_time
+                self._tracked[spec.request_id] = _Tracked(group, spec, req)
+                added.append(spec.request_id)
+        except Exception as e:  # ValueError for bad input; anything else is also this request's problem only
+            error = e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+            for rid in added:
+                self._tracked.pop(rid, None)
+                self.engine.abort_request(rid)
+        self.num_waiting = len(self.engine.scheduler.waiting)
+        self.sink.added(token, len(group.specs), error)
+
+    def _abort(self, request_id: str) -> tuple[Any, StreamItem] | None:
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return None
+        self.engine.abort_request(request_id)
+        verdict = self._finish_hook(t, aborted=True)
+        return t.group, StreamItem(request_id, t.spec.index, None, [], verdict)
+
+    def _abort_all(self, error: BaseException | None = None) -> None:
+        batch = []
+        for rid in list(self._tracked):
+            item = self._abort(rid)
+            if item is not None:
+                item[1].error = error
+                batch.append(item)
+        self._post(batch)
+
+    def _finish_hook(self, t: _Tracked, aborted: bool) -> Verdict | None:
+        verdict = None
+        if not aborted and self.judge is not None:
+            try:
+                verdict = self.judge(t.group.lane, t.request)
+            except Exception:
+                log.exception("judging %s failed", t.request.request_id)
+        self._emit(FinishEvent(t.group.lane, t.request, aborted, verdict))
+        return verdict
+
+    def _emit(self, event: EngineEvent) -> None:
+        tell(self.listeners, event)
+
+    def _step(self) -> None:
+        isolated = self.engine.num_step_failures
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+            self.step_failures += 1
+            log.exception("engine step failed; failing %d in-flight sequences", len(self._tracked))
+            self._emit(FaultEvent("step"))
+            self._abort_all(EngineError(f"the engine failed this request: {type(e).__name__}: {e}"))
+            self._publish_load()
+            return
+        self.steps += 1
+        if self.engine.num_step_failures != isolated:
+            self._emit(FaultEvent("request"))
+        batch = []
+        for out in outputs:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                continue
+            k = len(out.new_token_ids)
+            item = StreamItem(out.request_id, t.spec.index, out, t.request.clock.token_times[-k:] if k else [])
+            if out.error is not None:
+                item.error = EngineError(out.error)
+            if out.finished:
+                del self._tracked[out.request_id]
+                item.verdict = self._finish_hook(t, aborted=out.error is not None)
+            batch.append((t.group, item))
+        self._post(batch)
+        if self.engine.last_stats is not None:
+            self._emit(StepEvent(self.engine.last_stats))
+        self._publish_load()
+
+    def _post(self, batch: list) -> None:
+        if batch:
+            self.sink.deliver(batch)
+
+    def _publish_load(self) -> None:
+        sched = self.engine.scheduler
+        self.num_waiting = len(sched.waiting)
+        self.num_running = len(sched.running)
+        if not self.listeners:
+            return
+        lanes = {rid: t.group.lane for rid, t in self._tracked.items()}
+        running = Counter(lanes.get(r.request_id, "default") for r in sched.running)
+        waiting = Counter(lanes.get(r.request_id, "default") for r in sched.waiting)
+        kv = self.engine.kv
+        self._emit(LoadEvent(dict(running), dict(waiting), kv.usage, kv.num_cached_blocks))

@@ -1,0 +1,392 @@
+"""ProcessEngine: the EngineLoop in a process of its own, so the HTTP side never takes the GIL from a step.
+
+Why: in one process the engine thread shares the GIL with the event loop, and every torch op releases and
+retakes it. Measured on two cores: a step of a 64-token chunk and 10 decodes took 101-110 ms alone and
+484-1,906 ms beside one busy Python thread, and under load the event loop (a /metrics render, SSE encoding)
+held the GIL in half of the samples. vLLM (its EngineCore process) and SGLang (its scheduler process) split the
+same way.
+
+The engine process (`engine_main`, started with the spawn method: no torch or OpenMP state is inherited) builds
+the LLMEngine, says `ready` with its facts (server/engine_view.py), then runs the EngineLoop on its main thread;
+a reader thread there turns the commands arriving on a pipe into the loop's commands (compiling a request's
+grammar first, so the loop finds it built). After each pass of the
+loop (a step, or a batch of commands) it sends one message: the adds it finished, the events its listeners
+heard (a FinishEvent carries an EndedSequence, not the Request) and the step's items as wire Deltas
+(server/wire.py: only what is new, never the whole output again).
+
+This side (`ProcessEngine`, the EngineClient `twospeed serve` uses) sends commands from the event loop and reads
+the messages on a thread of its own: it judges each finished sequence (the lanes' SLOs), tells its listeners
+(the metrics, the dashboard's history), rebuilds each StreamItem with the Assembler and hands the batch to the
+event loop with one call_soon_threadsafe. Stamps cross as monotonic seconds: both processes read the same
+clock, so the split clock is exact.
+
+If the engine process dies, every open stream ends with an error event (not a hang), /health says so, and
+new requests get a 503. If this process dies, the engine process sees its command pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+
+from twospeed.config import EngineConfig
+from twospeed.engine.sampling_params import InvalidParam
+from twospeed.server.engine_loop import EngineLoop, Judge
+from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
+from twospeed.server.events import EndedSequence, EngineEvent, FinishEvent, Listener, tell
+from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec, StreamItem, deliver_items
+from twospeed.server.wire import Assembler, Delta, Encoder, TimeBase
+from twospeed.server.workers import resolve_future
+
+log = logging.getLogger(__name__)
+
+SAME_CLOCK = 0.0  # TimeBase offset: stamps cross as monotonic seconds (one host, one clock)
+
+
+@dataclass(slots=True)
+class EngineGroup:
+    """A RequestGroup's admission fields, as the engine process gets them (no queue: that stays here)."""
+
+    lane: str
+    priority: int
+    arrival_time: float  # monotonic seconds
+    specs: list[SequenceSpec]
+    itl_target: float | None = None
+    speculate: bool | None = None
+    routed_time: float | None = None
+
+
+@dataclass(slots=True)
+class Outbox:
+    """One message from the engine process: what one pass of its loop did."""
+
+    added: list[tuple[int, int, tuple | None]] = field(default_factory=list)  # (token, count, error) per add
+    events: list[EngineEvent] = field(default_factory=list)  # in the order the listeners heard them
+    deltas: list[Delta] = field(default_factory=list)
+    num_waiting: int = 0
+    num_running: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.events or self.deltas)
+
+
+def _error_info(error: BaseException | None) -> tuple | None:
+    if error is None:
+        return None
+    return ("value" if isinstance(error, ValueError) else "runtime", str(error), getattr(error, "param", None))
+
+
+def _error(info: tuple) -> BaseException:
+    kind, message, param = info
+    if kind == "value":
+        return InvalidParam(param, message) if param is not None else ValueError(message)
+    return RuntimeError(message)
+
+
+# -- the engine process ------------------------------------------------------------------------------------
+class _PipeSink:
+    """The loop's Sink and listener in the engine process: gathers a pass's results and sends them at once."""
+
+    def __init__(self, conn, loop: EngineLoop | None = None):
+        self.conn = conn
+        self.loop = loop
+        self.encoder = Encoder(TimeBase(SAME_CLOCK))
+        self.box = Outbox()
+
+    def deliver(self, batch: list[tuple[EngineGroup, StreamItem]]) -> None:
+        self.box.deltas += [self.encoder.delta(item) for _, item in batch]
+
+    def added(self, token: int, count: int, error: BaseException | None) -> None:
+        self.box.added.append((token, count, _error_info(error)))
+
+    def listen(self, event: EngineEvent) -> None:
+        if isinstance(event, FinishEvent):
+            event = FinishEvent(event.lane, EndedSequence.of(event.request), event.aborted, None)
+        self.box.events.append(event)
+
+    def flush(self) -> None:
+        if not self.box:
+            return
+        box, self.box = self.box, Outbox()
+        box.num_waiting, box.num_running = self.loop.num_waiting, self.loop.num_running
+        self.conn.send(("out", box))
+
+
+def engine_main(config: EngineConfig, commands, results, server_pid: int) -> None:
+    """The engine process: build, say ready (or why not), then step until told to stop or the server is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server drains, then stops us
+    logging.basicConfig(format="twospeed engine: %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    try:
+        from twospeed.engine.engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except BaseException as e:
+        results.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    _count_server_as_own(engine, server_pid)
+    sink = _PipeSink(results)
+    loop = EngineLoop(engine, sink, listeners=[sink.listen])
+    sink.loop = loop
+    results.send(("ready", EngineFacts.of(engine, "engine", uuid.uuid4().hex[:12], str(os.getpid()))))
+    threading.Thread(target=_read_commands, args=(commands, loop), name="twospeed-commands", daemon=True).start()
+    loop.run()
+    results.send(("stopped",))
+
+
+def _read_commands(commands, loop: EngineLoop) -> None:
+    while True:
+        try:
+            cmd = commands.recv()
+        except (EOFError, OSError):  # the server is gone
+            loop.stop()
+            return
+        if cmd[0] == "stop":
+            loop.stop()
+            return
+        if cmd[0] == "add":
+            _compile(loop.engine, cmd[1])
+        loop.submit(*cmd)
+
+
+def _compile(engine, group: EngineGroup) -> None:
+    """A grammar compiled into the engine's cache here, off the loop, so the add finds it built (the server has
+    compiled it too, to check it: its cache is its own). A grammar that fails is the add's error, in the loop."""
+    spec = group.specs[0].params.structured if group.specs else None
+    if spec is not None:
+        try:
+            engine.grammars.compile(spec)
+        except Exception:
+            pass
+
+
+def _count_server_as_own(engine, server_pid: int) -> None:
+    """The thread governor (engine/threads.py) yields cores to other processes' load; the server's own work (HTTP,
+    tokenizing) is this service's, as it was when both ran in one process."""
+    if engine.threads is None:
+        return
+    import torch
+
+    from twospeed.engine.threads import ThreadGovernor, read_sample
+
+    engine.threads = ThreadGovernor(engine.threads.max_threads, torch.set_num_threads,
+                                    sample=partial(read_sample, (server_pid,)))
+
+
+def _picklable(e: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False
+
+
+# -- the server's side -------------------------------------------------------------------------------------
+@dataclass(slots=True, eq=False)
+class _Open:
+    group: RequestGroup
+    assembler: Assembler
+
+
+class ProcessEngine:
+    """EngineClient (server/engine_client.py) over an engine process."""
+
+    def __init__(self, config: EngineConfig, *, judge: Judge | None = None, listeners: list[Listener] = ()):
+        self.config = config
+        self._judge = judge
+        self.listeners: list[Listener] = list(listeners)  # called on the reader thread, in the engine's order
+        self._base = TimeBase(SAME_CLOCK)
+        self._tokens = itertools.count()
+        self._adds: dict[int, asyncio.Future] = {}
+        self._open: dict[str, _Open] = {}  # request id -> its group, until its last item
+        self._lock = threading.Lock()  # the command pipe and the tables above
+        self._pending = 0  # sequences sent, not yet added
+        self._num_waiting = self._num_running = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future | None = None
+        self._proc = None
+        self._commands = None
+        self._reader: threading.Thread | None = None
+        self._exited = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        results, res_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_main, args=(self.config, cmd_recv, res_send, os.getpid()),
+                                 name="twospeed-engine", daemon=True)
+        self._proc.start()
+        cmd_recv.close()
+        res_send.close()  # only the child's copy stays open: its exit is this side's EOF
+        self._reader = threading.Thread(target=self._read, args=(results,), name="twospeed-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    async def ready(self) -> EngineView:
+        return await asyncio.shield(self._ready)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._proc is not None and not self._exited and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the engine process and wait for it (killed past the timeout)."""
+        self._send(("stop",))
+        if self._proc is None:
+            return
+        await asyncio.to_thread(self._proc.join, timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            await asyncio.to_thread(self._proc.join, 5)
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, timeout)
+
+    # -- event-loop side ------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting + self._pending
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    async def add(self, group: RequestGroup) -> None:
+        """Add every sequence of the group, or none: raises ValueError (InvalidParam names the field)."""
+        future = asyncio.get_running_loop().create_future()
+        group.unfinished = {s.request_id for s in group.specs}
+        token = next(self._tokens)
+        sent = EngineGroup(group.lane, group.priority, group.arrival_time, group.specs, group.itl_target,
+                           group.speculate, group.routed_time)
+        with self._lock:
+            if self._exited:
+                raise RuntimeError("the engine process has exited")
+            self._adds[token] = future
+            assembler = Assembler(group.specs, group.arrival_time, self._base)
+            for spec in group.specs:
+                self._open[spec.request_id] = _Open(group, assembler)
+            self._pending += len(group.specs)
+            self._send_locked(("add", sent, token))
+        try:
+            await future
+        except asyncio.CancelledError:  # the client left while we waited: the engine may have added them
+            self.abort(group)
+            raise
+
+    def abort(self, group: RequestGroup) -> None:
+        if group.unfinished:
+            self._send(("abort", list(group.unfinished)))
+
+    def _send(self, command: tuple) -> None:
+        with self._lock:
+            self._send_locked(command)
+
+    def _send_locked(self, command: tuple) -> None:
+        if self._commands is None or self._exited:
+            return
+        try:
+            self._commands.send(command)
+        except (OSError, ValueError):  # the engine process is gone: the reader ends what was open
+            pass
+
+    # -- reader thread --------------------------------------------------------------------------
+    def _read(self, results) -> None:
+        try:
+            while True:
+                msg = results.recv()
+                if msg[0] == "out":
+                    self._receive(msg[1])
+                elif msg[0] == "ready":
+                    self._started(msg[1])
+                elif msg[0] == "failed":
+                    self._loop.call_soon_threadsafe(resolve_future, self._ready, msg[1], None)
+                elif msg[0] == "stopped":
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("reading the engine process failed")
+        self._ended()
+
+    def _started(self, facts: EngineFacts) -> None:
+        try:
+            view = EngineView([facts], load_tokenizer(facts.config))
+        except Exception as e:
+            self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
+            return
+        self._loop.call_soon_threadsafe(resolve_future, self._ready, None, view)
+
+    def _receive(self, box: Outbox) -> None:
+        with self._lock:
+            self._num_waiting, self._num_running = box.num_waiting, box.num_running
+            resolved = []
+            for token, count, error in box.added:
+                self._pending -= count
+                resolved.append((self._adds.pop(token), None if error is None else _error(error)))
+        for future, error in resolved:
+            self._loop.call_soon_threadsafe(resolve_future, future, error, None)
+        verdicts = {}
+        for event in box.events:
+            if isinstance(event, FinishEvent):
+                event.verdict = verdicts[event.request.request_id] = self._verdict(event)
+            tell(self.listeners, event)
+        batch = []
+        with self._lock:
+            for d in box.deltas:
+                entry = self._open.get(d.request_id)
+                if entry is None:
+                    continue
+                item = entry.assembler.item(d)
+                if item.finished:
+                    item.verdict = verdicts.get(d.request_id)
+                    del self._open[d.request_id]
+                batch.append((entry.group, item))
+        if batch:
+            self._loop.call_soon_threadsafe(deliver_items, batch)
+
+    def _verdict(self, event: FinishEvent):
+        if event.aborted or self._judge is None:
+            return None
+        try:
+            return self._judge(event.lane, event.request)
+        except Exception:
+            log.exception("judging %s failed", event.request.request_id)
+            return None
+
+    def _ended(self) -> None:
+        """The engine process is gone (stopped, or died): end everything still open with an error."""
+        with self._lock:
+            self._exited = True
+            adds, self._adds = list(self._adds.values()), {}
+            open_, self._open = list(self._open.items()), {}
+            self._pending = 0
+        code = None if self._proc is None else self._proc.exitcode
+        why = f"the engine process exited (exit code {code})" if code is not None else "the engine process exited"
+        if not self._ready.done():
+            self._loop.call_soon_threadsafe(resolve_future, self._ready, RuntimeError(why), None)
+        for future in adds:
+            self._loop.call_soon_threadsafe(resolve_future, future, RuntimeError(why), None)
+        batch = [(entry.group, StreamItem(rid, _choice(entry.group, rid), None, [], error=EngineError(why)))
+                 for rid, entry in open_]
+        if batch:
+            self._loop.call_soon_threadsafe(deliver_items, batch)
+
+
+
+def _choice(group: RequestGroup, request_id: str) -> int:
+    return next(s.index for s in group.specs if s.request_id == request_id)
