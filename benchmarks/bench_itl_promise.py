@@ -15,6 +15,8 @@ KV) plus:
   time-50      the defaults: beside decodes, a step's predicted time stays within 50 ms (stretched to twice the
                decodes' own time where they alone take more than half of it: min_prompt_share 0.5)
   time-50-fixed-threads  the defaults with --adapt-threads false: the engine keeps its threads (no governor)
+  time-50-thread  the defaults with --no-engine-process: the engine in a thread of the server's process, sharing
+               its GIL with the HTTP side (how twospeed served before the engine got a process of its own)
   time-50-strict  --min-prompt-share 0: the 50 ms target strictly, one block a step where decodes fill it
   time-slo     --slo for every lane of the workload (its ITL objectives x 0.8 size the steps while that lane
                decodes: chat 80 ms, agent 120 ms, rag 160 ms; nightly has none)
@@ -79,6 +81,7 @@ VARIANTS = {
     "fixed-256": ["--max-num-batched-tokens", "256", "--target-step-ms", "0"],
     "time-50": [],
     "time-50-fixed-threads": ["--adapt-threads", "false"],  # the defaults without the thread governor
+    "time-50-thread": ["--no-engine-process"],  # the defaults with the engine in a thread of the server's process
     "time-50-strict": ["--min-prompt-share", "0"],
     "time-slo": ["@slo"],
 }

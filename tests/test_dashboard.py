@@ -217,6 +217,19 @@ def test_histogram_quantile_p99_is_within_10_percent_of_the_exact_p99(hist, medi
         assert abs(est - exact) <= 0.10 * exact, (median, est, exact)
 
 
+def test_the_exposition_is_generate_latests_text_byte_for_byte():
+    from prometheus_client import generate_latest
+
+    metrics = ServerMetrics("m", lanes=("a", "b"))
+    metrics.set_spec(3)
+    before = metrics.render()  # the label cache is filled here, the values change after
+    assert before == generate_latest(metrics.registry)
+    for e in events(300):
+        metrics.on_event(e)
+    metrics.add_lane('we"ird\\lane\n')  # label values escaped as prometheus_client escapes them
+    assert metrics.render() == generate_latest(metrics.registry) != before
+
+
 def test_known_lanes_and_kinds_are_exported_at_zero_before_any_traffic():
     text = ServerMetrics("m", lanes=("default", "chat")).render().decode()
     for line in ('twospeed_prompt_tokens_total{kind="cached",lane="chat",model="m"} 0.0',

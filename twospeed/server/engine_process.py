@@ -27,6 +27,7 @@ new requests get a 503. If this process dies, the engine process sees its comman
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -132,6 +133,7 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
         results.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
     _count_server_as_own(engine, server_pid)
+    gc.freeze()  # the model and torch stay for good: no full collection walks them mid-step (server/state.py says why)
     sink = _PipeSink(results)
     loop = EngineLoop(engine, sink, listeners=[sink.listen])
     sink.loop = loop

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: the split clock per lane, the split bill, engine load.
 
-The only module that imports prometheus_client. It reads plain engine objects (StepStats,
+With server/exposition.py and cluster/metrics.py, the only modules that import prometheus_client. It reads plain engine objects (StepStats,
 Clock, Bill) and never reaches into the engine. Names, units and definitions are listed in
 README.md ("Metrics"). Each server owns its registry, so several apps can live in one process.
 
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from twospeed.engine.engine import EngineMemory, StepStats
 from twospeed.engine.request import SPEC_OFF_CAUSES, Clock, SpecTrace
 from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
+from twospeed.server.exposition import Exposition
 from twospeed.server.slo import CAUSES, Verdict
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -57,6 +58,7 @@ class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, lanes: tuple[str, ...] = ()):
         self.model = model_name
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.exposition = Exposition(self.registry)  # generate_latest's text, series labels formatted once
         r, lm = self.registry, ("lane", "model")
 
         def hist(name: str, doc: str, buckets=PHASE_BUCKETS, labels=lm) -> Histogram:
@@ -281,4 +283,4 @@ class ServerMetrics:
                 self.spec_fallbacks.labels(lane, self.model, e.cause).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.exposition.render()
