@@ -33,6 +33,26 @@ def test_parse_and_delta():
     assert scrape.delta(None, after) is None and scrape.is_twospeed(after) and not scrape.is_twospeed({"x": 1})
 
 
+def test_parse_of_a_whole_exposition_equals_the_parsers_own_sums():
+    """Buckets are dropped before parsing: every other sample summed exactly as a full parse would."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from twospeed.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", lanes=("default", "chat"))
+    for i in range(50):
+        metrics.ttft.labels("chat", "m").observe(0.01 * i)
+        metrics.step_tokens.labels("prefill", "m").observe(i)
+    text = metrics.render().decode()
+    full: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.endswith("_bucket"):
+                name = f"{s.name}{{kind={s.labels['kind']}}}" if s.name.startswith(scrape.STEP_TOKENS) else s.name
+                full[name] = full.get(name, 0.0) + s.value
+    assert scrape.parse(text) == full and full["twospeed_time_to_first_token_seconds_count"] == 50
+
+
 def test_tokens_per_step_between_samples():
     p = scrape.step_point(1.5, scrape.parse(BEFORE), scrape.parse(AFTER))
     assert p["prefill_tokens_per_step"] == pytest.approx(512 / 2)  # (1024 - 512) / (4 - 2)
