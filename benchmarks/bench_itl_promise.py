@@ -220,6 +220,26 @@ def summarize(doc: dict) -> dict:
             "wall_s": doc["run"]["wall_s"], "errors": doc["total"]["errors"]}
 
 
+def steps_profile(url: str, since: float) -> dict | None:
+    """The run's engine steps from the server's own history (/dashboard/data): measured step time p50/p99/max,
+    the share of steps that took over 1.5x their prediction, and of steps run on fewer threads than the most."""
+    try:
+        steps = httpx.get(f"{url}/dashboard/data", params={"since": since}, timeout=30).json()["steps"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    rows = [i for i in range(len(steps["t"])) if steps["num_prefill_tokens"][i] + steps["num_decode_tokens"][i] > 0]
+    if not rows:
+        return None
+    times = sorted(steps["step_time"][i] for i in rows)
+    slow = sum(1 for i in rows if (steps["predicted_time"][i] or 0) > 0
+               and steps["step_time"][i] > 1.5 * steps["predicted_time"][i])
+    most = max(steps["num_threads"][i] for i in rows)
+    fewer = sum(1 for i in rows if steps["num_threads"][i] < most)
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"steps": len(rows), "p50": pick(0.5), "p99": pick(0.99), "max": times[-1], "slow_share": slow / len(rows),
+            "fewer_threads_share": fewer / len(rows)}
+
+
 def measure(plan: Plan, scratch: Path) -> dict:
     runs: dict[str, dict[str, dict]] = {}
     configs = [("twospeed", v) for v in plan.variants] if "twospeed" in plan.engines else []
@@ -234,12 +254,13 @@ def measure(plan: Plan, scratch: Path) -> dict:
             with ctx as server:
                 print(f"{name}: ready in {time.monotonic() - started:.0f} s", flush=True)
                 for rate in plan.rates:
-                    before = scrape_buckets(server.url)
+                    before, since = scrape_buckets(server.url), time.time()
                     doc = bench(plan, server.url, server.model, rate, scratch / f"{name}-{rate}", name)
                     after = scrape_buckets(server.url)
                     s = summarize(doc)
                     if engine == "twospeed":
                         s["cost_model"] = cost_model_view(before, after)
+                        s["steps"] = steps_profile(server.url, since)
                     runs[name][str(rate)] = s
                     print(f"  {name} @ {rate}/s: {json.dumps(s)[:400]}", flush=True)
         except (OSError, RuntimeError, TimeoutError) as e:
@@ -280,8 +301,24 @@ def report(plan: Plan, runs: dict) -> str:
                                        f"({cm['steps']:.0f} steps)")
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['output_tok_s']:,.1f} | {cost} |")
         lines.append("")
+        lines += steps_table(runs, key)
     lines += targets(plan, runs)
     return "\n".join(lines)
+
+
+def steps_table(runs: dict, key: str) -> list[str]:
+    """twospeed's engine steps in each run (from the server's history): what a slow token was waiting on."""
+    rows = [(name, by_rate[key]["steps"]) for name, by_rate in runs.items()
+            if "error" not in by_rate and by_rate.get(key, {}).get("steps")]
+    if not rows:
+        return []
+    lines = ["Engine steps (the server's history): measured step time p50 / p99 / max (ms), share over 1.5x the "
+             "prediction, share on fewer threads", "", "| run | steps | step time | > 1.5x predicted | fewer threads |",
+             "|---|---:|---|---:|---:|"]
+    for name, st in rows:
+        lines.append(f"| {name} | {st['steps']} | {ms(st['p50'])} / {ms(st['p99'])} / {ms(st['max'])} | "
+                     f"{st['slow_share']:.1%} | {st['fewer_threads_share']:.1%} |")
+    return lines + [""]
 
 
 def _lane(runs: dict, name: str, rate: float, lane: str) -> dict | None:

@@ -26,7 +26,7 @@ from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.kv_cache import BlockPool, KVCacheManager
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.plan.lazy_pool import LazyBlockPool
+from twospeed.engine.lazy_pool import LazyBlockPool
 from twospeed.plan.profile import Profile, median_by_shape
 from twospeed.plan.sim import ModelTimer, ReplayTimer, SimConfig, SimRequest, Simulator
 

@@ -41,6 +41,7 @@ from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.cost_probe import probe, roofline_prior
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.lazy_pool import LazyBlockPool
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
 from twospeed.engine.runner import ModelRunner, kv_bytes_per_token, num_blocks_for
 from twospeed.engine.sampler import Sampler
@@ -138,7 +139,8 @@ class LLMEngine:
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend,
                                 quantization=config.quantization, kv_cache_dtype=cache.kv_cache_dtype)
-        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 pool=LazyBlockPool(self.num_blocks, cache.enable_prefix_caching))
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device, config.seed)
         # Step time from the step's shape, per device and dtype; the probe times a few real steps to seed it.

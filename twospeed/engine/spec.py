@@ -37,6 +37,7 @@ import torch
 from twospeed.config import SpecConfig
 from twospeed.engine.cost_model import StepCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.lazy_pool import LazyBlockPool
 from twospeed.engine.request import Request
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import ScheduledChunk, in_decode
@@ -127,7 +128,7 @@ class DraftModelProposer:
                              f"{target_vocab}; a draft needs the target's tokenizer")
         self.model = load_model(path, dtype, device, max_positions=max_len, linear_backend=linear_backend,
                                 attention_backend=attention_backend)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching=True, pool=LazyBlockPool(num_blocks, True))
         self.runner = ModelRunner(self.model, num_blocks, block_size, device, dtype)
         self.prefill_tokens = prefill_tokens
         self._shadows: dict[str, _Shadow] = {}

@@ -43,7 +43,7 @@ from twospeed.engine.request import Bill, Clock, Request
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.engine.stop import finish_if_stopped
-from twospeed.plan.lazy_pool import LazyBlockPool
+from twospeed.engine.lazy_pool import LazyBlockPool
 
 _END, _ARRIVE, _START = 0, 1, 2  # at one instant: a step ends, then arrivals are admitted, then the next starts
 

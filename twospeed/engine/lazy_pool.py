@@ -1,11 +1,13 @@
-"""A BlockPool whose never-used blocks exist only when first handed out: the simulator's pool for big devices.
+"""A BlockPool whose never-used blocks exist only when first handed out: the engine's and the simulator's pool.
 
-An accelerator's KV pool holds millions of tokens (156k blocks for a small model on an L4): building every
-KVBlock up front costs the simulator seconds per replica. The engine's BlockPool hands out never-used blocks
+A KV pool can hold millions of blocks (156k for a small model on an L4; 1.4M for a test's tiny checkpoint in the
+default 2 GiB): building every KVBlock up front cost the engine's start ~4 s and the simulator seconds per
+replica. The engine's BlockPool hands out never-used blocks
 first, in id order (its free queue starts as every block in order, used blocks leave its head and freed ones
 join its tail), and only then evicts the least recently freed cached block. So a pool that makes block k when
 it is first handed out, and keeps only the freed blocks in its queue, hands out and evicts exactly the same
-block ids in the same order; tests/test_sim.py holds the two side by side under random operations.
+block ids in the same order; tests/test_sim.py holds the two side by side under random operations, and
+BlockPool stays the reference.
 """
 
 from __future__ import annotations
