@@ -88,7 +88,7 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
             await until(lambda: pe.num_running == 0 and pe.num_waiting == 0)
         finally:
             await pe.shutdown()
-        assert not pe.is_alive and pe._proc.exitcode == 0
+        assert not pe.is_alive and pe._proc.returncode == 0
 
     asyncio.run(main())
     finishes = [e for e in events if isinstance(e, FinishEvent)]
@@ -141,7 +141,7 @@ def test_a_builder_error_reaches_ready():
     asyncio.run(main())
 
 
-def test_the_engine_process_exits_when_the_server_process_dies(tmp_path):
+def test_the_engine_process_exits_when_the_server_process_dies_and_needs_no_main_guard(tmp_path):
     script = textwrap.dedent("""
         import asyncio, os, sys
         from twospeed.config import EngineConfig
@@ -154,8 +154,7 @@ def test_the_engine_process_exits_when_the_server_process_dies(tmp_path):
             print(pe.pid, flush=True)
             os._exit(0)  # no shutdown: as if killed
 
-        if __name__ == "__main__":
-            asyncio.run(main())
+        asyncio.run(main())  # no `if __name__ == "__main__"`: the engine process must not run this script again
     """)
     path = tmp_path / "server.py"
     path.write_text(script)

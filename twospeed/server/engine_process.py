@@ -6,7 +6,7 @@ retakes it. Measured on two cores: a step of a 64-token chunk and 10 decodes too
 held the GIL in half of the samples. vLLM (its EngineCore process) and SGLang (its scheduler process) split the
 same way.
 
-The engine process (`engine_main`, started with the spawn method: no torch or OpenMP state is inherited) builds
+The engine process (`engine_main`, a fresh interpreter: no torch or OpenMP state is inherited) builds
 the LLMEngine, says `ready` with its facts (server/engine_view.py), then runs the EngineLoop on its main thread;
 a reader thread there turns the commands arriving on a pipe into the loop's commands (compiling a request's
 grammar first, so the loop finds it built). After each pass of the
@@ -30,13 +30,16 @@ import asyncio
 import gc
 import itertools
 import logging
-import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 from twospeed.config import EngineConfig
 from twospeed.engine.sampling_params import InvalidParam
@@ -121,9 +124,22 @@ class _PipeSink:
         self.conn.send(("out", box))
 
 
+# The engine process's command line. Signals first: Ctrl-C and a service manager's SIGTERM reach the whole process
+# group, and the server drains before it stops the engine (or exits, which closes the engine's pipe).
+BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "from twospeed.server.engine_process import boot; boot()")
+
+
+def boot() -> None:
+    """The engine process's entry (BOOT): its pipes' file descriptors and the server's pid are its arguments, the
+    engine's config the first message."""
+    cmd_fd, res_fd, server_pid = (int(a) for a in sys.argv[1:4])
+    commands, results = Connection(cmd_fd, writable=False), Connection(res_fd, readable=False)
+    engine_main(commands.recv(), commands, results, server_pid)
+
+
 def engine_main(config: EngineConfig, commands, results, server_pid: int) -> None:
     """The engine process: build, say ready (or why not), then step until told to stop or the server is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server drains, then stops us
     logging.basicConfig(format="twospeed engine: %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
         from twospeed.engine.engine import LLMEngine
@@ -224,14 +240,19 @@ class ProcessEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._commands = ctx.Pipe(duplex=False)
-        results, res_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(self.config, cmd_recv, res_send, os.getpid()),
-                                 name="twospeed-engine", daemon=True)
-        self._proc.start()
-        cmd_recv.close()
-        res_send.close()  # only the child's copy stays open: its exit is this side's EOF
+        cmd_recv, cmd_send = os.pipe()
+        res_recv, res_send = os.pipe()
+        # A fresh interpreter on its own entry point, not multiprocessing's spawn: that re-runs the user's main
+        # module in the child, and a script without an `if __name__ == "__main__"` guard would start a server there.
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        self._proc = subprocess.Popen([sys.executable, "-c", BOOT, str(cmd_recv), str(res_send), str(os.getpid())],
+                                      pass_fds=(cmd_recv, res_send), stdin=subprocess.DEVNULL, env=env)
+        os.close(cmd_recv)
+        os.close(res_send)  # only the child's copy stays open: its exit is this side's EOF
+        self._commands = Connection(cmd_send, readable=False)
+        self._commands.send(self.config)
+        results = Connection(res_recv, writable=False)
         self._reader = threading.Thread(target=self._read, args=(results,), name="twospeed-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -241,7 +262,7 @@ class ProcessEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._proc is not None and not self._exited and self._proc.is_alive()
+        return self._proc is not None and not self._exited and self._proc.poll() is None
 
     @property
     def pid(self) -> int | None:
@@ -252,10 +273,11 @@ class ProcessEngine:
         self._send(("stop",))
         if self._proc is None:
             return
-        await asyncio.to_thread(self._proc.join, timeout)
-        if self._proc.is_alive():
+        try:
+            await asyncio.to_thread(self._proc.wait, timeout)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            await asyncio.to_thread(self._proc.join, 5)
+            await asyncio.to_thread(self._proc.wait, 5)
         if self._reader is not None:
             await asyncio.to_thread(self._reader.join, timeout)
 
@@ -377,7 +399,7 @@ class ProcessEngine:
             adds, self._adds = list(self._adds.values()), {}
             open_, self._open = list(self._open.items()), {}
             self._pending = 0
-        code = None if self._proc is None else self._proc.exitcode
+        code = None if self._proc is None else self._proc.poll()
         why = f"the engine process exited (exit code {code})" if code is not None else "the engine process exited"
         if not self._ready.done():
             self._loop.call_soon_threadsafe(resolve_future, self._ready, RuntimeError(why), None)
