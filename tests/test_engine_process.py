@@ -18,6 +18,7 @@ from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.server.engine_process import ProcessEngine
+from twospeed.server.errors import APIError
 from twospeed.server.events import FinishEvent, LoadEvent, StepEvent
 from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec
 from twospeed.server.slo import SLOTable, parse_slo_flag
@@ -122,8 +123,9 @@ def test_an_abort_returns_every_block_and_a_dead_engine_ends_its_streams():
             items = await finish(g, timeout=30)
             assert isinstance(items[-1].error, EngineError) and "exited" in str(items[-1].error)
             await until(lambda: not pe.is_alive)
-            with pytest.raises(RuntimeError, match="exited"):
+            with pytest.raises(APIError, match="exited") as err:  # a 503, not the client's fault
                 await pe.add(group([5, 6], name="late"))
+            assert err.value.status == 503
         finally:
             await pe.shutdown()
 
@@ -146,6 +148,7 @@ def test_the_engine_process_exits_when_the_server_process_dies_and_needs_no_main
         import asyncio, os, sys
         from twospeed.config import EngineConfig
         from twospeed.server.engine_process import ProcessEngine
+from twospeed.server.errors import APIError
 
         async def main():
             pe = ProcessEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1))

@@ -45,6 +45,7 @@ from twospeed.config import EngineConfig
 from twospeed.engine.sampling_params import InvalidParam
 from twospeed.server.engine_loop import EngineLoop, Judge
 from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
+from twospeed.server.errors import APIError
 from twospeed.server.events import EndedSequence, EngineEvent, FinishEvent, Listener, tell
 from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec, StreamItem, deliver_items
 from twospeed.server.wire import Assembler, Delta, Encoder, TimeBase
@@ -244,8 +245,8 @@ class ProcessEngine:
         res_recv, res_send = os.pipe()
         # A fresh interpreter on its own entry point, not multiprocessing's spawn: that re-runs the user's main
         # module in the child, and a script without an `if __name__ == "__main__"` guard would start a server there.
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        paths = (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))  # this very twospeed
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         self._proc = subprocess.Popen([sys.executable, "-c", BOOT, str(cmd_recv), str(res_send), str(os.getpid())],
                                       pass_fds=(cmd_recv, res_send), stdin=subprocess.DEVNULL, env=env)
         os.close(cmd_recv)
@@ -299,7 +300,7 @@ class ProcessEngine:
                            group.speculate, group.routed_time)
         with self._lock:
             if self._exited:
-                raise RuntimeError("the engine process has exited")
+                raise _gone(self._proc)
             self._adds[token] = future
             assembler = Assembler(group.specs, group.arrival_time, self._base)
             for spec in group.specs:
@@ -399,17 +400,23 @@ class ProcessEngine:
             adds, self._adds = list(self._adds.values()), {}
             open_, self._open = list(self._open.items()), {}
             self._pending = 0
-        code = None if self._proc is None else self._proc.poll()
-        why = f"the engine process exited (exit code {code})" if code is not None else "the engine process exited"
+        why = str(_gone(self._proc))
         if not self._ready.done():
             self._loop.call_soon_threadsafe(resolve_future, self._ready, RuntimeError(why), None)
         for future in adds:
-            self._loop.call_soon_threadsafe(resolve_future, future, RuntimeError(why), None)
+            self._loop.call_soon_threadsafe(resolve_future, future, _gone(self._proc), None)
         batch = [(entry.group, StreamItem(rid, _choice(entry.group, rid), None, [], error=EngineError(why)))
                  for rid, entry in open_]
         if batch:
             self._loop.call_soon_threadsafe(deliver_items, batch)
 
+
+
+def _gone(proc) -> APIError:
+    """What a request meets once the engine process has exited: 503 (the server cannot serve; /health says so)."""
+    code = None if proc is None else proc.poll()
+    return APIError(503, "the engine process exited" + (f" (exit code {code})" if code is not None else ""),
+                    "service_unavailable")
 
 
 def _choice(group: RequestGroup, request_id: str) -> int:
