@@ -148,7 +148,6 @@ def test_the_engine_process_exits_when_the_server_process_dies_and_needs_no_main
         import asyncio, os, sys
         from twospeed.config import EngineConfig
         from twospeed.server.engine_process import ProcessEngine
-from twospeed.server.errors import APIError
 
         async def main():
             pe = ProcessEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1))
