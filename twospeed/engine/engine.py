@@ -147,7 +147,7 @@ class LLMEngine:
         self.cost_model = LinearCostModel(roofline_prior(self.model_config, self.dtype, self.device),
                                           key=f"{self.device.type}/{str(self.dtype).removeprefix('torch.')}")
         if config.cost_probe:
-            probe(self.runner, self.kv, self.sampler, self.cost_model, max_len)
+            probe(self.runner, self.kv, self.sampler, self.cost_model, max_len, sched.max_num_batched_tokens)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cost_model=self.cost_model)
         self.speculator = make_speculator(
             config.spec, target_vocab=self.model_config.vocab_size, max_model_len=max_len, dtype=self.dtype,
