@@ -13,8 +13,8 @@ from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.server.async_engine import AsyncEngine
-from twospeed.server.request_group import RequestGroup, SequenceSpec
 from twospeed.server.events import FinishEvent
+from twospeed.server.request_group import RequestGroup, SequenceSpec
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,13 @@ from typing import Any
 from twospeed.cluster.config import ClusterConfig
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import RouterMetrics, merge_expositions
-from twospeed.server.engine_view import EngineView, EngineFacts, load_tokenizer
 from twospeed.cluster.router import Decision, ReplicaLoad, Router, make_router
-from twospeed.server.wire import Admitted, Assembler, Batch, Load, Refused, RoutedGroup, TimeBase
 from twospeed.engine.admission import check_params, check_prompt
 from twospeed.engine.sampling_params import InvalidParam
-from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
+from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
+from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
+from twospeed.server.wire import Admitted, Assembler, Batch, Load, Refused, RoutedGroup, TimeBase
 
 log = logging.getLogger(__name__)
 # The hop is on every request's critical path: by value over Ray Serve's gRPC transport, plain pickle (our messages

@@ -21,13 +21,13 @@ import time
 import uuid
 from functools import partial
 
-from twospeed.server.engine_view import EngineFacts
-from twospeed.server.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
 from twospeed.config import EngineConfig
-from twospeed.server.request_group import RequestGroup
 from twospeed.server.config import ServerConfig
+from twospeed.server.engine_view import EngineFacts
 from twospeed.server.events import EngineEvent, LoadEvent
+from twospeed.server.request_group import RequestGroup
 from twospeed.server.state import ServerState
+from twospeed.server.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
 
 
 class EngineReplica:
