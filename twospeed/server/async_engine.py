@@ -31,6 +31,7 @@ from twospeed.server.events import Listener
 from twospeed.server.request_group import RequestGroup, StreamItem, deliver_items
 from twospeed.server.workers import resolve_future
 
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, judge: Judge | None = None,
                  listeners: list[Listener] = ()):
@@ -38,13 +39,11 @@ class AsyncEngine:
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = engine if self._build is None else None
         self._ready: asyncio.Future | None = None
-        self._judge = judge
-        self.listeners: list[Listener] = list(listeners)  # the loop's listeners (it is given this very list)
-        self._loop_core: EngineLoop | None = None
+        # The loop exists from the start: commands sent while the engine still builds wait in its queue.
+        self._core = EngineLoop(self.engine, self, judge=judge, listeners=listeners)
+        self.listeners = self._core.listeners  # the loop's own list: listeners appended later are heard too
         self._lock = threading.Lock()
         self._pending = 0  # sequences sent to the thread, not yet added
-        self._queued: list[tuple] = []  # commands submitted before the loop existed (the engine still building)
-        self._stopping = False  # shutdown() came before the loop existed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -66,18 +65,15 @@ class AsyncEngine:
 
     @property
     def steps(self) -> int:
-        return self._loop_core.steps if self._loop_core is not None else 0
+        return self._core.steps
 
     @property
     def step_failures(self) -> int:
-        return self._loop_core.step_failures if self._loop_core is not None else 0
+        return self._core.step_failures
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the thread and wait for it."""
-        with self._lock:
-            core, self._stopping = self._loop_core, True
-        if core is not None:
-            core.stop()
+        self._core.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 
@@ -85,12 +81,11 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Sequences admitted but not yet scheduled (including those still on their way to the thread)."""
-        core = self._loop_core
-        return (core.num_waiting if core is not None else 0) + self._pending
+        return self._core.num_waiting + self._pending
 
     @property
     def num_running(self) -> int:
-        return self._loop_core.num_running if self._loop_core is not None else 0
+        return self._core.num_running
 
     async def add(self, group: RequestGroup) -> None:
         """Add every sequence of the group, or none: raises ValueError (the first bad one's message)."""
@@ -98,7 +93,7 @@ class AsyncEngine:
         group.unfinished = {s.request_id for s in group.specs}
         with self._lock:
             self._pending += len(group.specs)
-        self._submit("add", group, future)
+        self._core.submit("add", group, future)
         try:
             await future
         except asyncio.CancelledError:  # the client left while we waited: the thread may have added them
@@ -108,14 +103,7 @@ class AsyncEngine:
     def abort(self, group: RequestGroup) -> None:
         """Abort the group's unfinished sequences (thread-safe, idempotent); their KV blocks go back."""
         if group.unfinished:
-            self._submit("abort", list(group.unfinished))
-
-    def _submit(self, *command) -> None:
-        with self._lock:
-            if self._loop_core is None:
-                self._queued.append(command)
-                return
-        self._loop_core.submit(*command)
+            self._core.submit("abort", list(group.unfinished))
 
     # -- the Sink the loop writes to (engine thread) ----------------------------------------------
     def deliver(self, batch: list[tuple[RequestGroup, StreamItem]]) -> None:
@@ -133,23 +121,12 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             if self._build is not None:
-                self.engine = self._build()
+                self.engine = self._core.engine = self._build()
         except BaseException as e:  # the handler awaiting ready() gets it; nothing to step
             self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
             return
-        core = EngineLoop(self.engine, self, judge=self._judge)
-        core.listeners = self.listeners  # the same list: listeners appended later are heard too
-        with self._lock:
-            self._loop_core, queued = core, self._queued
-            self._queued = []
-            stopping = self._stopping
-        for command in queued:
-            core.submit(*command)
-        if stopping:
-            core.stop()
         self._loop.call_soon_threadsafe(resolve_future, self._ready, None, self.engine)
-        core.run()
-
+        self._core.run()
 
 
 def monotonic_to_unix() -> Callable[[float], float]:
