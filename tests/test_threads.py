@@ -100,3 +100,19 @@ def test_a_real_busy_process_is_seen_as_others():
         child.kill()
         child.wait()
     assert 0.5 < gov.others < (os.cpu_count() or 1) + 0.5  # a loaded CI machine adds more, never less
+
+
+@pytest.mark.skipif(read_sample() is None, reason="no /proc/stat here")
+def test_a_process_counted_as_own_is_not_others():
+    """The same spinning child, counted as this process's own (an engine process's server): others stay near 0."""
+    gov = ThreadGovernor(os.cpu_count() or 1, lambda n: None, interval=0.0)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.0)
+        gov.count_as_own((child.pid,))
+        time.sleep(1.0)
+        gov.tick()
+    finally:
+        child.kill()
+        child.wait()
+    assert gov.others < 0.5

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 # Other processes' load (in cores) at which one of our threads gives its core up: a co-tenant that keeps a
 # core busy half of the time already makes the thread on that core miss most barriers.
@@ -84,6 +85,12 @@ class ThreadGovernor:
         self.changes = 0
         self.confirm = max(1, confirm)
         self._pending, self._seen = self.max_threads, 0  # the count the last windows wanted, and for how many
+
+    def count_as_own(self, pids: tuple[int, ...]) -> None:
+        """Count these processes' CPU time as this one's (an engine process's server: its HTTP work is the
+        service's own, as it was when both ran in one process). Only for the default /proc sampler."""
+        self._sample = partial(read_sample, pids)
+        self._last = self._sample()
 
     def tick(self) -> int:
         """Re-read the load if a window has passed; returns the thread count the next step should use."""

@@ -31,13 +31,11 @@ import gc
 import itertools
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
-from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -149,7 +147,8 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
     except BaseException as e:
         results.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    _count_server_as_own(engine, server_pid)
+    if engine.threads is not None:  # the server's work (HTTP, tokenizing) is this service's, not a co-tenant's
+        engine.threads.count_as_own((server_pid,))
     gc.freeze()  # the model and torch stay for good: no full collection walks them mid-step (server/state.py says why)
     sink = _PipeSink(results)
     loop = EngineLoop(engine, sink, listeners=[sink.listen])
@@ -184,19 +183,6 @@ def _compile(engine, group: EngineGroup) -> None:
             engine.grammars.compile(spec)
         except Exception:
             pass
-
-
-def _count_server_as_own(engine, server_pid: int) -> None:
-    """The thread governor (engine/threads.py) yields cores to other processes' load; the server's own work (HTTP,
-    tokenizing) is this service's, as it was when both ran in one process."""
-    if engine.threads is None:
-        return
-    import torch
-
-    from twospeed.engine.threads import ThreadGovernor, read_sample
-
-    engine.threads = ThreadGovernor(engine.threads.max_threads, torch.set_num_threads,
-                                    sample=partial(read_sample, (server_pid,)))
 
 
 def _picklable(e: BaseException) -> bool:
