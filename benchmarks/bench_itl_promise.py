@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from serve import SETTINGS, Server, free_port, serve, stop, wait_ready  # noqa: E402
 
+from twospeed.engine.request import percentile  # noqa: E402
 from twospeed.lab.workload import load_workload  # noqa: E402
 
 DEFAULT_MODEL = HERE / "peers" / ".work" / "models" / "llama100m-bf16"
@@ -235,8 +236,8 @@ def steps_profile(url: str, since: float) -> dict | None:
                and steps["step_time"][i] > 1.5 * steps["predicted_time"][i])
     most = max(steps["num_threads"][i] for i in rows)
     fewer = sum(1 for i in rows if steps["num_threads"][i] < most)
-    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
-    return {"steps": len(rows), "p50": pick(0.5), "p99": pick(0.99), "max": times[-1], "slow_share": slow / len(rows),
+    return {"steps": len(rows), "p50": percentile(times, 50), "p99": percentile(times, 99), "max": times[-1],
+            "slow_share": slow / len(rows),
             "fewer_threads_share": fewer / len(rows)}
 
 
