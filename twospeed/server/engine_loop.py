@@ -41,6 +41,17 @@ log = logging.getLogger(__name__)
 Judge = Callable[[str, Request], Verdict | None]  # (lane, finished request) -> its SLO verdict
 
 
+def judge_safely(judge: Judge | None, lane: str, request, aborted: bool) -> Verdict | None:
+    """A finished sequence's SLO verdict (None when aborted or nobody judges); a judge that raises is logged."""
+    if aborted or judge is None:
+        return None
+    try:
+        return judge(lane, request)
+    except Exception:
+        log.exception("judging %s failed", request.request_id)
+        return None
+
+
 class Sink(Protocol):
     """Where the loop's results go (called in the loop's thread)."""
 
@@ -165,12 +176,7 @@ class EngineLoop:
         self._post(batch)
 
     def _finish_hook(self, t: _Tracked, aborted: bool) -> Verdict | None:
-        verdict = None
-        if not aborted and self.judge is not None:
-            try:
-                verdict = self.judge(t.group.lane, t.request)
-            except Exception:
-                log.exception("judging %s failed", t.request.request_id)
+        verdict = judge_safely(self.judge, t.group.lane, t.request, aborted)
         self._emit(FinishEvent(t.group.lane, t.request, aborted, verdict))
         return verdict
 

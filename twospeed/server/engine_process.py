@@ -41,7 +41,7 @@ from pathlib import Path
 
 from twospeed.config import EngineConfig
 from twospeed.engine.sampling_params import InvalidParam
-from twospeed.server.engine_loop import EngineLoop, Judge
+from twospeed.server.engine_loop import EngineLoop, Judge, judge_safely
 from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
 from twospeed.server.events import EndedSequence, EngineEvent, FinishEvent, Listener, tell
@@ -354,7 +354,8 @@ class ProcessEngine:
         verdicts = {}
         for event in box.events:
             if isinstance(event, FinishEvent):
-                event.verdict = verdicts[event.request.request_id] = self._verdict(event)
+                event.verdict = judge_safely(self._judge, event.lane, event.request, event.aborted)
+                verdicts[event.request.request_id] = event.verdict
             tell(self.listeners, event)
         batch = []
         with self._lock:
@@ -369,15 +370,6 @@ class ProcessEngine:
                 batch.append((entry.group, item))
         if batch:
             self._loop.call_soon_threadsafe(deliver_items, batch)
-
-    def _verdict(self, event: FinishEvent):
-        if event.aborted or self._judge is None:
-            return None
-        try:
-            return self._judge(event.lane, event.request)
-        except Exception:
-            log.exception("judging %s failed", event.request.request_id)
-            return None
 
     def _ended(self) -> None:
         """The engine process is gone (stopped, or died): end everything still open with an error."""
