@@ -60,7 +60,8 @@ def main() -> None:
     parse_ours = timed(lambda: scrape.parse(decoded), args.repeat)
     print(f"exposition: {lines:,} lines, {len(text) / 1024:,.0f} KiB ({args.lanes} lanes)")
     print("| side | library | twospeed | ratio |\n|---|---:|---:|---:|")
-    print(f"| server render | {render_lib * 1e3:.1f} ms | {render_ours * 1e3:.1f} ms | {render_lib / render_ours:.1f}x |")
+    print(f"| server render | {render_lib * 1e3:.1f} ms | {render_ours * 1e3:.1f} ms | "
+          f"{render_lib / render_ours:.1f}x |")
     print(f"| lab parse | {parse_lib * 1e3:.1f} ms | {parse_ours * 1e3:.1f} ms | {parse_lib / parse_ours:.1f}x |")
 
 
