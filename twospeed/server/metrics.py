@@ -1,8 +1,8 @@
 """Prometheus metrics of the server: the split clock per lane, the split bill, engine load.
 
 With server/exposition.py and cluster/metrics.py, the only modules that import prometheus_client. It reads
-plain engine objects (StepStats, Clock, Bill) and never reaches into the engine. Names, units and definitions are listed in
-README.md ("Metrics"). Each server owns its registry, so several apps can live in one process.
+plain engine objects (StepStats, Clock, Bill) and never reaches into the engine. Names, units and definitions
+are listed in README.md ("Metrics"). Each server owns its registry, so several apps can live in one process.
 
 Per-request histograms get one observation per finished sequence (a request with n=3 is
 three sequences), for sequences that finished by stop or length; aborted sequences (a
