@@ -86,11 +86,16 @@ def test_without_proc_or_with_one_thread_nothing_changes():
     assert gov1.tick() == 1 and calls1 == []
 
 
+def spinning_child() -> subprocess.Popen:
+    """A process that keeps one core busy for up to 30 s."""
+    return subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+
+
 @pytest.mark.skipif(read_sample() is None, reason="no /proc/stat here")
 def test_a_real_busy_process_is_seen_as_others():
     """Against the real /proc: a spinning child process shows up as about one core of others' load."""
     gov = ThreadGovernor(os.cpu_count() or 1, lambda n: None, interval=0.0)
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    child = spinning_child()
     try:
         time.sleep(1.0)  # let it start, then measure a window while it spins
         gov.tick()
@@ -106,7 +111,7 @@ def test_a_real_busy_process_is_seen_as_others():
 def test_a_process_counted_as_own_is_not_others():
     """The same spinning child, counted as this process's own (an engine process's server): others stay near 0."""
     gov = ThreadGovernor(os.cpu_count() or 1, lambda n: None, interval=0.0)
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    child = spinning_child()
     try:
         time.sleep(1.0)
         gov.count_as_own((child.pid,))
