@@ -242,8 +242,8 @@ def test_probe_output_is_what_the_copy_heads_write():
     outs = []
     attn.register_forward_hook(lambda mod, args, out: outs.append(out))
     ids = torch.randint(5, task_model.TASK_VOCAB_SIZE, (2, 24), generator=torch.Generator().manual_seed(1))
-    probe = task_model.AttentionProbe(copy_circuit.copy_layer(spec), copy_circuit.copy_heads(spec), torch.tensor([0, 1, 1]),
-                                      torch.tensor([5, 9, 23]), torch.tensor([2, 3, 4]))
+    probe = task_model.AttentionProbe(copy_circuit.copy_layer(spec), copy_circuit.copy_heads(spec),
+                                      torch.tensor([0, 1, 1]), torch.tensor([5, 9, 23]), torch.tensor([2, 3, 4]))
     with torch.no_grad():
         model(ids, probe)
         for h in probe.heads:

@@ -238,7 +238,8 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
         yield from steps
 
 
-def collate(step: list[Sequence], first_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+def collate(step: list[Sequence], first_weight: float = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
     """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
 
     Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
