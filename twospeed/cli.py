@@ -164,13 +164,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--app-name", help="the Ray Serve application's name (default twospeed)")
     cluster.add_argument("--attach-to", metavar="APP", help="deploy only an ingress over APP's running replicas "
                                                            "(another router over the same engines)")
+    cluster.add_argument("--direct-streams", action=argparse.BooleanOptionalAction, default=None,
+                         help="requests stream over a TCP connection to each replica (the default); "
+                              "--no-direct-streams: through Ray Serve's handle")
 
 
 def _cluster_config(args: argparse.Namespace):
     from twospeed.cluster.config import ClusterConfig
 
     names = {"replicas", "router", "ray_address", "replica_cpus", "replica_threads", "replica_gpus", "app_name",
-             "attach_to"}
+             "attach_to", "direct_streams"}
     config = ClusterConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     if config.attach_to is not None and config.ray_address is None:
         raise ValueError("--attach-to needs --ray-address: the Ray cluster the application runs on")

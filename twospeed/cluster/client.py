@@ -4,8 +4,9 @@ The routes call add / abort and read group.queue exactly as with the local Async
 request against the admission table (the same 400s a replica would give, before anything is routed), asks the
 router for a replica, and opens a stream to it (a Ray Serve DeploymentHandle call): the replica answers
 Admitted (or Refused: a ValueError, the client's 400) and then Batches of Deltas, which a pump task turns back
-into StreamItems on the group's queue (wire.py). `abort` cancels the stream; the replica aborts the group's
-sequences and their KV blocks go back.
+into StreamItems on the group's queue (wire.py). The stream runs over the replica's direct channel (channel.py,
+one TCP connection per replica; ClusterConfig.direct_streams) or through Ray Serve's handle: both answer the
+same messages. `abort` cancels the stream; the replica aborts the group's sequences and their KV blocks go back.
 
 Faults: a replica that dies mid-stream breaks its streams; each affected group gets one error item (ReplicaLost,
 a 503 `service_unavailable` error event for a stream) and the replica is marked down, so new requests go to
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from twospeed.cluster.channel import Channel, ChannelAddress
 from twospeed.cluster.config import ClusterConfig
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import RouterMetrics, merge_expositions
@@ -41,6 +43,16 @@ log = logging.getLogger(__name__)
 HANDLE_OPTIONS = {"_by_reference": False, "request_serialization": "pickle", "response_serialization": "pickle"}
 
 
+class HandleTransport:
+    """A request's stream through the replica's Ray Serve DeploymentHandle."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    async def open(self, routed: RoutedGroup) -> Any:
+        return self.handle.generate.options(stream=True, **HANDLE_OPTIONS).remote(routed)
+
+
 class ReplicaLost(ShutdownError):
     """The replica serving this request went away (it died, or its stream broke): like a shutdown, retryable."""
 
@@ -50,7 +62,8 @@ class ReplicaSlot:
     """One replica as the ingress sees it."""
 
     name: str
-    handle: Any  # its Ray Serve DeploymentHandle
+    handle: Any  # its Ray Serve DeploymentHandle (control calls: describe, ping, metrics, history)
+    channel: Channel | None = None  # its direct stream channel, once a probe told where it listens
     load: ReplicaLoad = field(default_factory=ReplicaLoad)  # what the router decides on
     running: int = 0
     cached_blocks: int = 0
@@ -58,6 +71,18 @@ class ReplicaSlot:
     instances: int = 0  # instances seen (1 + restarts)
     lost: int = 0  # requests it was running when it died
     routed: dict[str, int] = field(default_factory=dict)  # reason -> requests
+
+    def transport(self) -> Channel | HandleTransport:
+        """Where a request's stream goes: the channel where there is one, else the handle."""
+        return self.channel if self.channel is not None else HandleTransport(self.handle)
+
+    def connect(self, address: ChannelAddress | None) -> None:
+        """The replica's channel is (now) at `address`: a restarted replica listens elsewhere."""
+        if self.channel is not None and self.channel.address != address:
+            self.channel.close()
+            self.channel = None
+        if address is not None and self.channel is None:
+            self.channel = Channel(address)
 
     def update(self, load: Load) -> None:
         self.load.waiting, self.load.kv_usage = load.waiting, load.kv_usage
@@ -95,6 +120,7 @@ class ClusterEngine:
         for slot, f in zip(self.slots, facts):
             self._seen(slot, f.instance)
             slot.facts = f
+        await asyncio.gather(*(self._probe_one(s) for s in self.slots))  # where each replica's channel listens
         tokenizer = await asyncio.to_thread(load_tokenizer, facts[0].config)
         self.model = EngineView(list(facts), tokenizer)
         c = self.config
@@ -112,6 +138,8 @@ class ClusterEngine:
             self.abort(group)
         if self._probe is not None:
             self._probe.cancel()
+        for slot in self.slots:
+            slot.connect(None)
 
     @property
     def is_alive(self) -> bool:
@@ -138,11 +166,13 @@ class ClusterEngine:
                 raise APIError(503, "no engine replica is up (they are restarting); retry later", "service_unavailable")
             slot = self.slots[decision.replica]
             slot.load.in_flight += n
-            response = slot.handle.generate.options(stream=True, **HANDLE_OPTIONS).remote(routed)
+            response = None
             try:
+                response = await slot.transport().open(routed)
                 first = await response.__anext__()
             except asyncio.CancelledError:  # the client left while we waited
-                response.cancel()
+                if response is not None:
+                    response.cancel()
                 slot.load.in_flight -= n
                 raise
             except Exception as e:  # the replica died before it admitted the request: it is nowhere, route again
@@ -218,8 +248,11 @@ class ClusterEngine:
         self.metrics.lost.labels(slot.name, self.metrics.model).inc(requests)
 
     # -- probes ---------------------------------------------------------------------------------
-    def _seen(self, slot: ReplicaSlot, instance: str, actor: str | None = None) -> None:
-        """A probe's answer: the replica is up; a new instance has an empty cache."""
+    def _seen(self, slot: ReplicaSlot, instance: str, actor: str | None = None,
+              address: ChannelAddress | None = None) -> None:
+        """A probe's answer: the replica is up; a new instance has an empty cache (and another channel)."""
+        if address is not None and self.config.direct_streams:
+            slot.connect(address)
         if slot.facts is not None and slot.facts.instance != instance:
             slot.facts.instance, slot.facts.actor = instance, actor or slot.facts.actor
             if self.router is not None:
@@ -246,8 +279,8 @@ class ClusterEngine:
         except Exception as e:
             self._lost(slot, e, 0)
             return
-        instance, actor, load = answer
-        self._seen(slot, instance, actor)
+        instance, actor, load, address = answer
+        self._seen(slot, instance, actor, address)
         slot.update(load)
 
     # -- what the ingress's pages show ------------------------------------------------------------

@@ -30,6 +30,8 @@ class ClusterConfig:
     kv_threshold: float = 0.9  # prefix router: ... or this share of its KV blocks in use
     imbalance_threshold: int = 4  # prefix router: ... or this many more sequences in flight than the least loaded
     max_prefix_blocks: int = 512  # blocks of a prompt the prefix router hashes (512 x 16 = the first 8k tokens)
+    direct_streams: bool = True  # requests stream over a TCP connection to each replica (cluster/channel.py);
+    #                               False: through Ray Serve's DeploymentHandle, a longer hop
     probe_interval: float = 1.0  # seconds between the ingress's health and load probes of each replica
     probe_timeout: float = 5.0  # seconds a probe may take before the replica counts as down
 

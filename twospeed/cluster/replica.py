@@ -6,10 +6,11 @@ SLOs judging every finished sequence, the Prometheus metrics and the dashboard's
 worker threads for grammar compiles. It sets its own torch/OpenMP threads before the engine is built.
 
 The ingress calls:
-- generate(RoutedGroup) -> a stream: Admitted or Refused, then Batches of Deltas (wire.py). The request's
+- generate(RoutedGroup) -> a stream (over the replica's direct channel, channel.py, or Ray Serve's handle): Admitted or Refused, then Batches of Deltas (wire.py). The request's
   arrival is the ingress's (converted to this machine's clock), `routed` is its arrival here, so the clock's
   ttft is measured from the ingress and route_time is the hop. Cancelling the stream aborts the sequences.
-- describe(), ping() (instance id, actor, load), metrics() (the Prometheus text), history(since).
+- describe(), ping() (instance id, actor, load, where its channel listens), metrics() (the Prometheus text),
+  history(since).
 Ray Serve calls check_health() and restarts a replica whose engine died, or whose process did.
 """
 
@@ -21,6 +22,7 @@ import time
 import uuid
 from functools import partial
 
+from twospeed.cluster.channel import ChannelAddress, ChannelServer
 from twospeed.config import EngineConfig
 from twospeed.server.config import ServerConfig
 from twospeed.server.engine_view import EngineFacts
@@ -50,6 +52,8 @@ class EngineReplica:
         self.state = ServerState(source, server_config, model_name)
         self.state.async_engine.listeners.append(self._on_event)
         await self.state.start()
+        self.channel = ChannelServer(self.generate)
+        await self.channel.start(_node_ip())
 
     def _on_event(self, event: EngineEvent) -> None:
         if isinstance(event, LoadEvent):
@@ -98,8 +102,8 @@ class EngineReplica:
     async def describe(self) -> EngineFacts:
         return EngineFacts.of(self.state.engine, self.name, self.instance, _actor_name())
 
-    async def ping(self) -> tuple[str, str, Load]:
-        return self.instance, _actor_name(), self.load()
+    async def ping(self) -> tuple[str, str, Load, ChannelAddress | None]:
+        return self.instance, _actor_name(), self.load(), self.channel.address
 
     async def metrics(self) -> str:
         return self.state.metrics.render().decode()
@@ -112,7 +116,15 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.name}: the engine is not running")
 
     async def __del__(self):
+        await self.channel.stop()
         await self.state.stop()
+
+
+def _node_ip() -> str:
+    """The address the ingress reaches this node at (Ray's own: loopback for a cluster kept on one machine)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _actor_name() -> str:
