@@ -1,6 +1,6 @@
 """The cluster's routers, pure bookkeeping (no Ray): the prefix router's matched tokens against the engine's own
-prefix cache (KVCacheManager fed the same prompts), agent sessions sticking to their replica, the overload
-fallback, restarts forgetting a cache, eviction order, round-robin and least-loaded, and a hypothesis run that
+prefix cache (KVCacheManager fed the same prompts), agent sessions sticking to their replica, the least
+prefill before a first token (queued prompts against cached ones), the overload fallback, restarts forgetting a cache, eviction order, round-robin and least-loaded, and a hypothesis run that
 every decision names a live replica and, with room to spare, predicts exactly the cache's hit.
 """
 
@@ -115,6 +115,24 @@ def test_overloaded_replica_sends_the_request_to_the_least_loaded():
     assert d.replica == 0 and d.reason == "least_loaded"  # the holder is down: nobody has the prefix
 
 
+def test_a_shared_prefix_spreads_once_its_holder_queues_and_a_session_stays_until_the_queue_outweighs_it():
+    router = PrefixRouter(2, BS, [4096, 4096])
+    system = list(range(100, 140))  # 40 tokens every request shares
+    router.record(0, system + [1, 2, 3])
+    loads = [ReplicaLoad(), ReplicaLoad()]
+    d = router.choose(system + [7, 8, 9], loads)
+    assert (d.replica, d.reason, d.matched_tokens) == (0, "prefix", 40)
+    loads[0].pending_prefill = 39  # queued prompts cost less than the 40 cached tokens: still worth waiting for
+    assert router.choose(system + [7, 8, 9], loads).replica == 0
+    loads[0].pending_prefill = 41  # ... now the other replica starts sooner, prefix and all
+    d = router.choose(system + [7, 8, 9], loads)
+    assert (d.replica, d.reason, d.matched_tokens) == (1, "prefill_queue", 0)
+    loads[0].pending_prefill = 0
+    loads[0].waiting = 9  # an overloaded holder is passed over whatever it caches
+    d = router.choose(system + [7, 8, 9], loads)
+    assert (d.replica, d.reason) == (1, "overloaded")
+
+
 def test_a_restarted_replica_is_forgotten_and_tables_evict_tails_first():
     router = PrefixRouter(2, BS, [3, 64])
     prompt = list(range(21))  # 5 full blocks; a table of 3 keeps the first 3 (the tail is evicted first)
@@ -150,7 +168,8 @@ def test_every_decision_is_a_live_replica_and_predicts_the_cache(data):
     stems = [[data.draw(st.integers(0, 5)) for _ in range(data.draw(st.integers(0, 12)))] for _ in range(3)]
     for _ in range(data.draw(st.integers(1, 25))):
         loads = [ReplicaLoad(up=data.draw(st.booleans()) or i == 0, in_flight=data.draw(st.integers(0, 5)),
-                             waiting=data.draw(st.integers(0, 4))) for i in range(n)]
+                             waiting=data.draw(st.integers(0, 4)), pending_prefill=data.draw(st.integers(0, 40)))
+                 for i in range(n)]
         tail = [data.draw(st.integers(0, 5)) for _ in range(data.draw(st.integers(1, 10)))]
         prompt = data.draw(st.sampled_from(stems)) + tail
         decision = router.choose(prompt, loads)
@@ -161,6 +180,12 @@ def test_every_decision_is_a_live_replica_and_predicts_the_cache(data):
             assert hits[decision.replica] == max(hits.values()) > 0
         elif decision.reason == "least_loaded":
             assert max(hits.values()) == 0
+        elif decision.reason == "prefill_queue":  # a holder was there, but its queue made it the slower start
+            assert hits[decision.replica] < max(hits.values())
+        least = min(loads[i].in_flight for i in hits)
+        fresh = [i for i in hits if not router.overloaded(loads[i], least)] or list(hits)
+        cost = {i: loads[i].pending_prefill + len(prompt) - hits[i] for i in fresh}
+        assert cost[decision.replica] == min(cost.values())  # the least prefill before its first token
         replicas[decision.replica].serve(prompt)
         router.record(decision.replica, prompt)
 

@@ -84,6 +84,11 @@ class ReplicaSlot:
         if address is not None and self.channel is None:
             self.channel = Channel(address)
 
+    def unload(self, sequences: int, prefill: int) -> None:
+        """Sequences that left this replica (or never reached it), and prompt tokens whose prefill is done."""
+        self.load.in_flight -= sequences
+        self.load.pending_prefill -= prefill
+
     def update(self, load: Load) -> None:
         self.load.waiting, self.load.kv_usage = load.waiting, load.kv_usage
         self.running, self.cached_blocks = load.running, load.cached_blocks
@@ -92,8 +97,13 @@ class ReplicaSlot:
 @dataclass(eq=False)
 class _Stream:
     slot: ReplicaSlot
-    response: Any  # the DeploymentResponseGenerator
+    response: Any  # the DeploymentResponseGenerator or ChannelStream
+    pending: int = 0  # prompt tokens counted in the slot's pending_prefill until the first batch comes back
     task: asyncio.Task | None = None
+
+    def prefilled(self) -> None:
+        self.slot.unload(0, self.pending)
+        self.pending = 0
 
 
 class ClusterEngine:
@@ -165,7 +175,9 @@ class ClusterEngine:
             if decision is None:
                 raise APIError(503, "no engine replica is up (they are restarting); retry later", "service_unavailable")
             slot = self.slots[decision.replica]
+            pending = max(0, len(prompt) - decision.matched_tokens)  # its prefill, as the router counts queues
             slot.load.in_flight += n
+            slot.load.pending_prefill += pending
             response = None
             try:
                 response = await slot.transport().open(routed)
@@ -173,18 +185,18 @@ class ClusterEngine:
             except asyncio.CancelledError:  # the client left while we waited
                 if response is not None:
                     response.cancel()
-                slot.load.in_flight -= n
+                slot.unload(n, pending)
                 raise
             except Exception as e:  # the replica died before it admitted the request: it is nowhere, route again
-                slot.load.in_flight -= n
+                slot.unload(n, pending)
                 self._lost(slot, e, 0)
                 tried.add(decision.replica)
                 continue
             if isinstance(first, Refused):
-                slot.load.in_flight -= n
+                slot.unload(n, pending)
                 raise InvalidParam(first.param, first.message) if first.param else ValueError(first.message)
             self._admitted(group, slot, decision, first, "failover" if tried else decision.reason)
-            stream = self._streams[group] = _Stream(slot, response)
+            stream = self._streams[group] = _Stream(slot, response, pending)
             stream.task = asyncio.get_running_loop().create_task(self._pump(group, stream))
             return
 
@@ -214,6 +226,7 @@ class ClusterEngine:
             async for batch in stream.response:
                 assert isinstance(batch, Batch)
                 slot.update(batch.load)
+                stream.prefilled()  # the first batch carries the first token: the prompt is through
                 for delta in batch.deltas:
                     item = assembler.item(delta)
                     group.queue.put_nowait(item)
@@ -235,7 +248,8 @@ class ClusterEngine:
                     f"replica {slot.name} went away while serving this request ({type(e).__name__}); retry it"),
                     ends_group=True))
         finally:
-            slot.load.in_flight -= len(open_seqs)
+            slot.unload(len(open_seqs), 0)
+            stream.prefilled()
             if self._streams.get(group) is stream:
                 del self._streams[group]
 
@@ -313,7 +327,8 @@ class ClusterEngine:
         """Each replica's state as the router sees it (the dashboard's replicas view, /cluster/replicas)."""
         return [{"name": s.name, "up": s.load.up, "instance": s.facts.instance if s.facts else None,
                  "actor": s.facts.actor if s.facts else None, "node": s.facts.node if s.facts else None,
-                 "restarts": max(0, s.instances - 1), "in_flight": s.load.in_flight, "waiting": s.load.waiting,
+                 "restarts": max(0, s.instances - 1), "in_flight": s.load.in_flight, "pending_prefill": s.load.pending_prefill,
+                 "waiting": s.load.waiting,
                  "running": s.running, "kv_usage": s.load.kv_usage, "cached_blocks": s.cached_blocks,
                  "num_blocks": s.facts.num_blocks if s.facts else None, "routed": dict(s.routed), "lost": s.lost,
                  "router": self.config.router, "now": time.time()}

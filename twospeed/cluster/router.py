@@ -2,11 +2,14 @@
 
 The prefix router keeps, per replica, the block hashes of the prompts (and answers) it sent there, hashed with
 the engine's own chain (engine/kv_cache.py hash_block_tokens: same tokenizer, same block size), so a hash names
-a whole prefix exactly as the replica's prefix cache names it. A request goes to the replica holding the
-longest run of its leading blocks (among several, the least loaded), unless that replica is overloaded: its
-queue or KV use above a threshold, or more sequences in flight than the least-loaded replica by more than the
-imbalance threshold (else every new agent session would follow the shared system prompt to the first replica
-that saw it); then to the least-loaded replica. With no match at all it goes to the least loaded.
+a whole prefix exactly as the replica's prefix cache names it. A request goes to the replica where the least
+prefill stands before its first token: the prompt tokens it would not find cached there, plus the prompt
+tokens already routed there and not yet through prefill (`pending_prefill`, which the ingress counts). So a
+session stays with the replica holding its history until that replica's queue of prompts outweighs the
+history (then `prefill_queue`), and a prefix every request shares (one system prompt) spreads over the replicas
+once one of them queues, instead of piling on the first that saw it. Replicas that are overloaded are passed
+over: queue or KV use above a threshold, or more sequences in flight than the least-loaded replica by more than
+the imbalance threshold. Ties go to the least loaded.
 A replica's table holds at most as many blocks as its KV pool (the most it can have cached), evicting the least
 recently sent, leaves before roots (the cache's own order: a chain's tail is freed first), and is forgotten
 when the replica restarts (a new instance has an empty cache).
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from twospeed.engine.kv_cache import BlockHash, hash_block_tokens
 
-REASONS = ("prefix", "overloaded", "least_loaded", "round_robin", "failover")
+REASONS = ("prefix", "prefill_queue", "overloaded", "least_loaded", "round_robin", "failover")
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class ReplicaLoad:
     in_flight: int = 0  # sequences the ingress has sent there and not seen finish
     waiting: int = 0  # of those, waiting to be scheduled (the replica's own last report)
     kv_usage: float = 0.0  # share of its KV blocks in use (its last report)
+    pending_prefill: int = 0  # prompt tokens routed there, less their expected cache hits, not yet through prefill
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,18 +137,22 @@ class PrefixRouter(Router):
             return None
         # The last prompt token is always computed, so at most (len - 1) // block_size blocks can be hits.
         chain = block_chain(prompt, self.block_size, min(self.max_prefix_blocks, (len(prompt) - 1) // self.block_size))
-        matched = {i: self.matched_blocks(i, chain) for i in live}
-        best = max(matched.values())
+        matched = {i: self.matched_blocks(i, chain) * self.block_size for i in live}
         least = min(loads[i].in_flight for i in live)
         fresh = [i for i in live if not self.overloaded(loads[i], least)] or live
-        reason = "least_loaded"
-        if best > 0:
-            pick = self._least_loaded([i for i in live if matched[i] == best], loads)
-            if pick in fresh:
-                return Decision(pick, "prefix", best * self.block_size)
+        cost = {i: loads[i].pending_prefill + len(prompt) - matched[i] for i in fresh}  # prefill before its first token
+        lowest = min(cost.values())
+        pick = self._least_loaded([i for i in fresh if cost[i] == lowest], loads)
+        best = max(matched.values())
+        if best == 0:
+            reason = "least_loaded"
+        elif matched[pick] == best:
+            reason = "prefix"
+        elif any(matched[i] == best for i in fresh):
+            reason = "prefill_queue"  # a holder of the prefix is free, but its queued prompts outweigh the hit
+        else:
             reason = "overloaded"
-        pick = self._least_loaded(fresh, loads)  # the least loaded of those not overloaded (if any is not)
-        return Decision(pick, reason, matched[pick] * self.block_size)
+        return Decision(pick, reason, matched[pick])
 
     def overloaded(self, load: ReplicaLoad, least_in_flight: int = 0) -> bool:
         return (load.waiting >= self.queue_threshold or load.kv_usage >= self.kv_threshold
