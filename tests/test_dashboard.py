@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from twospeed.engine.engine import StepStats
+from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import Request, percentile
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.plan.clock import ToyClock

@@ -131,7 +131,7 @@ class ClusterEngine:
             self._seen(slot, f.instance)
             slot.facts = f
         await asyncio.gather(*(self._probe_one(s) for s in self.slots))  # where each replica's channel listens
-        tokenizer = await asyncio.to_thread(load_tokenizer, facts[0].config)
+        tokenizer = await asyncio.to_thread(load_tokenizer, facts[0])
         self.model = EngineView(list(facts), tokenizer)
         c = self.config
         options = {}

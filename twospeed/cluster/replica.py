@@ -34,21 +34,17 @@ from twospeed.server.wire import Admitted, Batch, Encoder, Load, Refused, Routed
 
 class EngineReplica:
     async def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, name: str, threads: int):
-        import torch
-
-        from twospeed.engine.engine import LLMEngine
-
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
         self.name = name
         self.instance = uuid.uuid4().hex[:12]
         self.base = TimeBase()
         self._kv_usage, self._cached_blocks = 0.0, 0
         model_name = server_config.served_model_name or engine_config.model
         # the engine in a process of its own (server/engine_process.py): Ray's event loop here, which carries every
-        # stream's messages, then never takes the GIL from a step
-        source = (dataclasses.replace(engine_config, num_threads=engine_config.num_threads or threads)
-                  if server_config.engine_process else partial(LLMEngine, engine_config))
+        # stream's messages, then never takes the GIL from a step (and this actor never imports torch)
+        source = dataclasses.replace(engine_config, num_threads=engine_config.num_threads or threads)
+        if not server_config.engine_process:
+            source = _engine_builder(engine_config, threads)
         self.state = ServerState(source, server_config, model_name)
         self.state.async_engine.listeners.append(self._on_event)
         await self.state.start()
@@ -118,6 +114,16 @@ class EngineReplica:
     async def __del__(self):
         await self.channel.stop()
         await self.state.stop()
+
+
+def _engine_builder(engine_config: EngineConfig, threads: int):
+    """The engine built in a thread of this actor (engine_process off), computing with `threads` threads."""
+    import torch
+
+    from twospeed.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    return partial(LLMEngine, engine_config)
 
 
 def _node_ip() -> str:

@@ -29,8 +29,6 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -39,6 +37,7 @@ from twospeed.engine.admission import ModelLimits, check_params, check_prompt
 from twospeed.engine.isolation import execute_isolating, sample_isolating
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.cost_probe import probe, roofline_prior
+from twospeed.engine.engine_stats import EngineMemory, StepStats  # noqa: F401 (re-exported)
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.lazy_pool import LazyBlockPool
@@ -49,60 +48,10 @@ from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.engine.spec import make_speculator
 from twospeed.engine.stop import Stop, check_stop
+from twospeed.model.builtin import resolve_model_path
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What one step did; the server turns these into Prometheus metrics."""
-
-    time: float  # monotonic time at the end of the step
-    step_time: float  # seconds: schedule + forward + sample + update
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    num_preempted: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_cached_blocks: int
-    predicted_time: float | None = None  # seconds the cost model predicted for the step
-    target_time: float | None = None  # seconds the prompt share was sized to (None: not sized by time)
-    prefill_budget: int = 0  # prompt tokens the step allowed (scheduler.SchedulerOutput.prefill_budget)
-    time_bound: bool = False  # the target, not the token budget, set the prompt share
-    num_threads: int = 1  # CPU threads the step ran with (engine/threads.py)
-    num_draft_tokens: int = 0  # speculation: draft tokens verified in the step (beside num_decode_tokens)
-    num_accepted_tokens: int = 0  # of those, kept as output tokens
-    propose_time: float = 0.0  # seconds the proposer took (part of step_time)
-
-
-@dataclass(slots=True)
-class EngineMemory:
-    """What the engine's memory holds, in its formats (the server reports it; the lab bills KV memory by it)."""
-
-    quantization: str | None  # the weight format (None: the checkpoint's dtype)
-    weight_bytes: int  # bytes a decode step reads for the weights (model/formats.py)
-    kv_cache_dtype: str  # "auto" (the model's dtype), "int8", "fp8"
-    kv_bytes_per_token: int  # K and V of one token, every layer, scales included
-    block_size: int  # tokens per KV block
-    block_bytes: int  # bytes of one KV block (block_size * kv_bytes_per_token)
-    num_blocks: int  # blocks in the pool
-    max_tokens: int  # tokens the pool holds (num_blocks * block_size)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A checkpoint folder, or a built-in (model/builtin.py: `demo`, `demo-draft`, `demo-task`), built on first
-    use."""
-    from twospeed.model.builtin import builtin_checkpoint_path, builtin_names, is_builtin
-
-    if is_builtin(model):
-        return builtin_checkpoint_path(model)
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (built in: {', '.join(builtin_names())})")
-    return path
 
 
 class LLMEngine:
@@ -216,12 +165,8 @@ class LLMEngine:
         """The engine's GrammarCompiler (llguidance tokenizer + compiled-grammar cache), made on first use."""
         with self._grammars_lock:
             if self._grammars is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured output needs a tokenizer "
-                                     "(the engine was started with skip_tokenizer_init)")
-                from twospeed.engine.structured import GrammarCompiler
-                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size,
-                                                 self.eos_token_ids)
+                from twospeed.engine.structured import grammar_compiler
+                self._grammars = grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             return self._grammars
 
     def _grammar_state(self, params: SamplingParams):

@@ -36,6 +36,13 @@ _GBNF_FIRST_RULE = re.compile(r"\s*(?:#[^\n]*\n\s*)*[A-Za-z][\w-]*\s*::=")
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
+def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> "GrammarCompiler":
+    """The compiler an engine (or a server checking requests for one) builds over its tokenizer."""
+    if tokenizer is None:
+        raise ValueError("structured output needs a tokenizer (the engine was started with skip_tokenizer_init)")
+    return GrammarCompiler(tokenizer.backend.to_str(), vocab_size, eos_token_ids)
+
+
 class GrammarCompiler:
     """One per engine: the llguidance tokenizer and compiled grammars cached by content (LRU).
 

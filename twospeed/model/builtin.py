@@ -38,3 +38,14 @@ def builtin_checkpoint_path(name: str) -> Path:
     from twospeed.model.task_model import task_checkpoint_path
 
     return task_checkpoint_path(name)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A checkpoint folder, or a built-in (model/builtin.py: `demo`, `demo-draft`, `demo-task`), built on first
+    use."""
+    if is_builtin(model):
+        return builtin_checkpoint_path(model)
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (built in: {', '.join(builtin_names())})")
+    return path

@@ -44,10 +44,13 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        from twospeed.engine.engine import LLMEngine
         source = engine
-        if source is None:  # the engine's own process (engine_process.py), or a thread that builds it
-            source = engine_config if server_config.engine_process else partial(LLMEngine, engine_config)
+        if source is None and server_config.engine_process:  # the engine's own process (engine_process.py) ...
+            source = engine_config
+        elif source is None:  # ... or a thread that builds it (only this brings torch into the server's process)
+            from twospeed.engine.engine import LLMEngine
+
+            source = partial(LLMEngine, engine_config)
         state = ServerState(source, server_config, server_config.served_model_name or engine_config.model, client)
         await state.start()
         app.state.twospeed = state

@@ -24,18 +24,23 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from twospeed.engine.engine import LLMEngine
 from twospeed.server.engine_loop import EngineLoop, Judge
 from twospeed.server.events import Listener
 from twospeed.server.request_group import RequestGroup, StreamItem, deliver_items
 from twospeed.server.workers import resolve_future
+
+if TYPE_CHECKING:  # torch comes with it: a server whose engine steps in its own process never imports it
+    from twospeed.engine.engine import LLMEngine
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], *, judge: Judge | None = None,
                  listeners: list[Listener] = ()):
         # an engine, or a builder that start() runs in the engine thread (see the module docstring)
+        from twospeed.engine.engine import LLMEngine
+
         self._build = None if isinstance(engine, LLMEngine) else engine
         self.engine: LLMEngine | None = engine if self._build is None else None
         self._ready: asyncio.Future | None = None

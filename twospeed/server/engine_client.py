@@ -7,8 +7,8 @@ group's queue, and abort it when its response ends. Two implementations:
   (`twospeed serve --replicas N`).
 
 `ready()` returns the engine's read-only facts as an object with LLMEngine's read-only surface: `config`,
-`model_config`, `dtype`, `tokenizer`, `limits`, `max_model_len`, `scheduler_config`, `num_blocks`,
-`grammars` (the compiler a request's grammar is checked with before it is added).
+`tokenizer`, `limits`, `max_model_len`, `scheduler_config`, `num_blocks`, `eos_token_ids`, `grammars` (the
+compiler a request's grammar is checked with before it is added).
 """
 
 from __future__ import annotations

@@ -28,13 +28,15 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from twospeed.engine.engine import LLMEngine
 from twospeed.engine.request import Request
 from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, Listener, LoadEvent, StepEvent, tell
 from twospeed.server.slo import Verdict
 from twospeed.server.request_group import EngineError, SequenceSpec, StreamItem
+
+if TYPE_CHECKING:
+    from twospeed.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

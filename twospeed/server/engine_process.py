@@ -336,7 +336,7 @@ class ProcessEngine:
 
     def _started(self, facts: EngineFacts) -> None:
         try:
-            view = EngineView([facts], load_tokenizer(facts.config))
+            view = EngineView([facts], load_tokenizer(facts))
         except Exception as e:
             self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
             return

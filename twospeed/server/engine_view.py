@@ -14,10 +14,17 @@ from __future__ import annotations
 import socket
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from twospeed.config import EngineConfig, ModelConfig, SchedulerConfig
+from typing import TYPE_CHECKING
+
+from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
-from twospeed.engine.engine import EngineMemory, LLMEngine
+from twospeed.engine.engine_stats import EngineMemory
+from twospeed.engine.structured import grammar_compiler
+
+if TYPE_CHECKING:
+    from twospeed.engine.engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -29,8 +36,10 @@ class EngineFacts:
     actor: str  # its Ray actor's name (namespace "serve"); its process id for an engine process
     node: str  # the host it runs on
     config: EngineConfig
-    model_config: ModelConfig
-    dtype: object  # the torch dtype its weights and KV cache use
+    model_path: str  # the checkpoint folder it loaded (a built-in's in its cache)
+    vocab_size: int  # the model's logits rows (what a grammar's token masks cover)
+    dtype: str  # the dtype its weights and KV cache use, by name: no torch object crosses, so the server
+    #             process needs no torch to read these facts
     limits: ModelLimits
     scheduler_config: SchedulerConfig  # with max_model_len as the engine resolved it
     num_blocks: int  # its KV pool, in blocks
@@ -39,12 +48,14 @@ class EngineFacts:
     memory: EngineMemory  # its weight and KV formats and pool, in bytes (LLMEngine.memory)
 
     @classmethod
-    def of(cls, engine: LLMEngine, name: str, instance: str, actor: str) -> "EngineFacts":
-        """The facts of an engine built in this process."""
+    def of(cls, engine: "LLMEngine | EngineView", name: str, instance: str, actor: str) -> "EngineFacts":
+        """The facts of an engine built in this process, or of one in a process of its own (its view's facts)."""
+        if isinstance(engine, EngineView):
+            return replace(engine.replicas[0], name=name, instance=instance, actor=actor, node=socket.gethostname())
         memory = engine.memory()
-        return cls(name, instance, actor, socket.gethostname(), engine.config, engine.model_config, engine.dtype,
-                   engine.limits, engine.scheduler_config, engine.num_blocks, engine.eos_token_ids,
-                   memory.block_bytes, memory)
+        return cls(name, instance, actor, socket.gethostname(), engine.config, str(engine.model_path),
+                   engine.model_config.vocab_size, str(engine.dtype).removeprefix("torch."), engine.limits,
+                   engine.scheduler_config, engine.num_blocks, engine.eos_token_ids, memory.block_bytes, memory)
 
     def mismatch(self, other: "EngineFacts") -> str | None:
         """How this replica's engine differs from another's in what the ingress relies on, or None."""
@@ -68,7 +79,7 @@ class EngineView:
                 raise RuntimeError(f"the replicas do not run the same engine: {problem}")
         self.replicas = facts
         self.config = first.config
-        self.model_config = first.model_config
+        self.vocab_size = first.vocab_size
         self.dtype = first.dtype
         self.tokenizer = tokenizer
         self.limits = first.limits
@@ -84,15 +95,26 @@ class EngineView:
         return replace(self.replicas[0].memory, num_blocks=self.num_blocks,
                                    max_tokens=sum(f.memory.max_tokens for f in self.replicas))
 
-    # The engine's own lazily built GrammarCompiler (llguidance over this tokenizer): a request's grammar is compiled,
-    # and so checked, here before it is routed. It reads tokenizer, model_config, eos_token_ids, _grammars(_lock).
-    grammars = LLMEngine.grammars
+    @property
+    def grammars(self):
+        """The engine's GrammarCompiler, built here as the engine builds its own (llguidance over this tokenizer):
+        a request's grammar is compiled, and so checked, before it is sent."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
 
-def load_tokenizer(config: EngineConfig):
-    """The checkpoint's tokenizer, as the replicas load it (None with skip_tokenizer_init)."""
-    if config.skip_tokenizer_init:
+def load_tokenizer(facts: EngineFacts):
+    """The checkpoint's tokenizer, as the engine loaded it (None with skip_tokenizer_init): from the folder the
+    engine loaded where this machine has it, else from the model the config names (built here if built in)."""
+    if facts.config.skip_tokenizer_init:
         return None
-    from twospeed.engine.engine import resolve_model_path
     from twospeed.model.tokenizer import Tokenizer
-    return Tokenizer.from_pretrained(resolve_model_path(config.model))
+
+    path = Path(facts.model_path)
+    if not path.is_dir():
+        from twospeed.model.builtin import resolve_model_path
+
+        path = resolve_model_path(facts.config.model)
+    return Tokenizer.from_pretrained(path)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from twospeed.engine.engine import StepStats
+from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import Bill, Clock, Request, SpecTrace
 from twospeed.server.slo import Verdict
 

@@ -25,7 +25,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from twospeed.engine.engine import StepStats
+from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import percentile
 from twospeed.server.events import EngineEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.ring import ColumnRing

@@ -17,7 +17,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from twospeed.engine.engine import EngineMemory, StepStats
+from twospeed.engine.engine_stats import EngineMemory, StepStats
 from twospeed.engine.request import SPEC_OFF_CAUSES, Clock, SpecTrace
 from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.exposition import Exposition
