@@ -217,8 +217,14 @@ def summarize(doc: dict) -> dict:
                        "itl": (st["itl"]["p50"], st["itl"]["p99"], st["itl"]["max"]),
                        "chunk": (st["chunk_gap"]["p50"], st["chunk_gap"]["p99"], st["chunk_gap"]["max"]),
                        "errors": lane["errors"]}
+    tokens = {}
+    for r in doc["requests"]:
+        tokens[r["lane"]] = tokens.get(r["lane"], 0) + (r["output_tokens"] or 0)
+    # Output tokens per lane: twospeed ends a structured answer when its schema completes, even with --ignore-eos,
+    # where vLLM goes on to max_tokens; the agent lane then emits fewer tokens for the same answers, and out tok/s
+    # is not the same work across engines (compare the lanes' TTFT, or out tok/s without the agent lane).
     return {"lanes": lanes, "output_tok_s": doc["total"]["throughput"]["output_tokens_per_s"],
-            "wall_s": doc["run"]["wall_s"], "errors": doc["total"]["errors"]}
+            "output_tokens": tokens, "wall_s": doc["run"]["wall_s"], "errors": doc["total"]["errors"]}
 
 
 def steps_profile(url: str, since: float) -> dict | None:
@@ -282,8 +288,9 @@ def report(plan: Plan, runs: dict) -> str:
         key = str(rate)
         lines += [f"### {rate} requests/s", "",
                   "Per lane: TTFT p50 / p99 · ITL per token p50 / p99 / max · per chunk p99 / max (ms)", "",
-                  "| run | " + " | ".join(LANE_ORDER) + " | out tok/s | cost model: within 10% / p50 / p99 |",
-                  "|---|" + "---|" * len(LANE_ORDER) + "---:|---|"]
+                  "| run | " + " | ".join(LANE_ORDER) + " | out tok/s | agent's output tokens | "
+                  "cost model: within 10% / p50 / p99 |",
+                  "|---|" + "---|" * len(LANE_ORDER) + "---:|---:|---|"]
         for name, by_rate in runs.items():
             s = by_rate.get(key) if "error" not in by_rate else by_rate
             if s is None:
@@ -300,7 +307,8 @@ def report(plan: Plan, runs: dict) -> str:
             cm = s.get("cost_model")
             cost = "-" if not cm else (f"{cm['within_10pct']:.0%} / {cm['p50']:.3f} / {cm['p99']:.2f} "
                                        f"({cm['steps']:.0f} steps)")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['output_tok_s']:,.1f} | {cost} |")
+            agent = s.get("output_tokens", {}).get("agent", "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {s['output_tok_s']:,.1f} | {agent} | {cost} |")
         lines.append("")
         lines += steps_table(runs, key)
     lines += targets(plan, runs)
