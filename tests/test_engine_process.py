@@ -175,3 +175,27 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_server_side_never_imports_torch(tmp_path):
+    """The server's process (and a cluster's ingress and replica actors) reads the engine's facts and messages
+    without torch: importing the app and unpickling an engine's EngineFacts load no torch (a torch object in the
+    facts, or a torch-importing module on the server's path, fails this)."""
+    import pickle
+
+    from twospeed.server.engine_view import EngineFacts
+
+    facts = EngineFacts.of(LLMEngine(CONFIG), "engine", "i", "1")
+    blob = tmp_path / "facts.pickle"
+    blob.write_bytes(pickle.dumps(facts))
+    code = textwrap.dedent(f"""
+        import pickle, sys
+        import twospeed.server.app, twospeed.cluster.client, twospeed.cluster.replica, twospeed.cli
+        facts = pickle.loads(open({str(blob)!r}, "rb").read())
+        assert facts.dtype == "bfloat16" and facts.vocab_size > 0, facts
+        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("twospeed.model.llama"))
+        print(loaded)
+        sys.exit(1 if loaded else 0)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
