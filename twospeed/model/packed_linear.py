@@ -35,10 +35,11 @@ from twospeed.model import formats
 from twospeed.model.cbuild import load_library
 from twospeed.model.weight_format import FormatLinear, WeightFormat, copy_checked
 
-# On AMX CPUs, rows up to this many take the C kernel, more take oneDNN's AMX path. Single-thread ratios
-# kernel/oneDNN on a Sapphire Rapids core (768x2304, 768x4096, 2048x768, 768x32000): 1 row 0.46-0.86,
-# 2 rows 0.70-0.94, 4 rows 0.47-1.05, 8 rows 0.97-2.39, 16 rows 1.1-6.1 (BENCHMARKS.md).
-AMX_KERNEL_MAX_ROWS = 4
+# On AMX CPUs, rows up to this many take the C kernel, more take oneDNN's AMX path. oneDNN/kernel time over
+# the ~100M Llama's five linear shapes (one layer + lm_head), oneDNN packed wide (packing_rows_hint), two threads
+# on Sapphire Rapids: 1.78 at 1 row, 1.50 at 4-5, 1.35 at 6, 1.09-1.11 at 8, 0.97 at 10, 0.64-0.70 at 12-24;
+# one thread: 1.00 at 8, 0.80 at 10 (BENCHMARKS.md).
+AMX_KERNEL_MAX_ROWS = 8
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
