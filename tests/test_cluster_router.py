@@ -1,7 +1,8 @@
 """The cluster's routers, pure bookkeeping (no Ray): the prefix router's matched tokens against the engine's own
-prefix cache (KVCacheManager fed the same prompts), agent sessions sticking to their replica, the least
-prefill before a first token (queued prompts against cached ones), the overload fallback, restarts forgetting a cache, eviction order, round-robin and least-loaded, and a hypothesis run that
-every decision names a live replica and, with room to spare, predicts exactly the cache's hit.
+prefix cache (KVCacheManager fed the same prompts), agent sessions sticking to their replica, the least prefill
+before a first token (queued prompts against cached ones), the overload fallback, restarts forgetting a cache,
+eviction order, round-robin and least-loaded, and a hypothesis run that every decision names a live replica and,
+with room to spare, predicts exactly the cache's hit.
 """
 
 from __future__ import annotations

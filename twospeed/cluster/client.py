@@ -327,8 +327,8 @@ class ClusterEngine:
         """Each replica's state as the router sees it (the dashboard's replicas view, /cluster/replicas)."""
         return [{"name": s.name, "up": s.load.up, "instance": s.facts.instance if s.facts else None,
                  "actor": s.facts.actor if s.facts else None, "node": s.facts.node if s.facts else None,
-                 "restarts": max(0, s.instances - 1), "in_flight": s.load.in_flight, "pending_prefill": s.load.pending_prefill,
-                 "waiting": s.load.waiting,
+                 "restarts": max(0, s.instances - 1), "in_flight": s.load.in_flight,
+                 "pending_prefill": s.load.pending_prefill, "waiting": s.load.waiting,
                  "running": s.running, "kv_usage": s.load.kv_usage, "cached_blocks": s.cached_blocks,
                  "num_blocks": s.facts.num_blocks if s.facts else None, "routed": dict(s.routed), "lost": s.lost,
                  "router": self.config.router, "now": time.time()}

@@ -6,9 +6,10 @@ SLOs judging every finished sequence, the Prometheus metrics and the dashboard's
 worker threads for grammar compiles. It sets its own torch/OpenMP threads before the engine is built.
 
 The ingress calls:
-- generate(RoutedGroup) -> a stream (over the replica's direct channel, channel.py, or Ray Serve's handle): Admitted or Refused, then Batches of Deltas (wire.py). The request's
-  arrival is the ingress's (converted to this machine's clock), `routed` is its arrival here, so the clock's
-  ttft is measured from the ingress and route_time is the hop. Cancelling the stream aborts the sequences.
+- generate(RoutedGroup) -> a stream (over the replica's direct channel, channel.py, or Ray Serve's handle):
+  Admitted or Refused, then Batches of Deltas (wire.py). The request's arrival is the ingress's (converted to
+  this machine's clock), `routed` is its arrival here, so the clock's ttft is measured from the ingress and
+  route_time is the hop. Cancelling the stream aborts the sequences.
 - describe(), ping() (instance id, actor, load, where its channel listens), metrics() (the Prometheus text),
   history(since).
 Ray Serve calls check_health() and restarts a replica whose engine died, or whose process did.
