@@ -205,7 +205,7 @@ def test_the_clock_page_computes_what_twospeed_clock_computes(server, browser, t
 
     # the toggle: this server's calibrated costs, fetched once, or the reason there are none
     costs = httpx.get(f"{server.base}/dashboard/costs", headers=AUTH, timeout=10).json()
-    page.check("#live")
+    page.click("#live")  # not page.check: without costs the page unchecks it at once, and check() would see no change
     if costs["available"]:
         page.wait_for_function("document.getElementById('source').textContent.includes('fetched once')")
         clock = ToyClock(*(costs["toy"][k] for k in ("a", "b", "step", "per_cached_token")))
