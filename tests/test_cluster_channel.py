@@ -11,6 +11,7 @@ a connection without the replica's secret is closed before anything it sent is u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import struct
 
@@ -49,11 +50,17 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, DEADLINE))
 
 
-async def _served():
+@contextlib.asynccontextmanager
+async def served():
+    """A fake replica's ChannelServer on loopback and an ingress Channel to it; both closed on the way out."""
     replica = FakeReplica()
     server = ChannelServer(replica.generate)
-    address = await server.start("127.0.0.1")
-    return replica, server, Channel(address)
+    channel = Channel(await server.start("127.0.0.1"))
+    try:
+        yield replica, server, channel
+    finally:
+        channel.close()
+        await server.stop()
 
 
 async def _drain(stream) -> list:
@@ -67,70 +74,63 @@ async def _until(predicate) -> None:
 
 def test_concurrent_streams_arrive_whole_and_in_order():
     async def main():
-        replica, server, channel = await _served()
-        streams = [await channel.open({"id": k, "n": 20 + k}) for k in range(5)]
-        got = await asyncio.gather(*(_drain(s) for s in streams))
-        for k, messages in enumerate(got):
-            assert messages == [(k, i) for i in range(20 + k)]
-        await _until(lambda: len(replica.released) == 5)
-        channel.close()
-        await server.stop()
+        async with served() as (replica, server, channel):
+            streams = [await channel.open({"id": k, "n": 20 + k}) for k in range(5)]
+            got = await asyncio.gather(*(_drain(s) for s in streams))
+            for k, messages in enumerate(got):
+                assert messages == [(k, i) for i in range(20 + k)]
+            await _until(lambda: len(replica.released) == 5)
 
     run(main())
 
 
 def test_cancel_releases_that_request_only():
     async def main():
-        replica, server, channel = await _served()
-        held = await channel.open({"id": "held", "n": 1, "hold": True})
-        assert await held.__anext__() == ("held", 0)
-        await asyncio.wait_for(replica.holding.wait(), DEADLINE)
-        other = await channel.open({"id": "other", "n": 3})
-        held.cancel()
-        await _until(lambda: "held" in replica.released)
-        assert await _drain(other) == [("other", i) for i in range(3)]
-        with pytest.raises(StopAsyncIteration):
-            await held.__anext__()
-        channel.close()
-        await server.stop()
+        async with served() as (replica, server, channel):
+            held = await channel.open({"id": "held", "n": 1, "hold": True})
+            assert await held.__anext__() == ("held", 0)
+            await asyncio.wait_for(replica.holding.wait(), DEADLINE)
+            other = await channel.open({"id": "other", "n": 3})
+            held.cancel()
+            await _until(lambda: "held" in replica.released)
+            assert await _drain(other) == [("other", i) for i in range(3)]
+            with pytest.raises(StopAsyncIteration):
+                await held.__anext__()
 
     run(main())
 
 
 def test_a_raising_generator_fails_its_own_stream():
     async def main():
-        replica, server, channel = await _served()
-        bad = await channel.open({"id": "bad", "n": 2, "raise": True})
-        good = await channel.open({"id": "good", "n": 4})
-        assert [await bad.__anext__() for _ in range(2)] == [("bad", 0), ("bad", 1)]
-        with pytest.raises(ChannelClosed, match="the engine broke"):
-            await bad.__anext__()
-        assert await _drain(good) == [("good", i) for i in range(4)]
-        channel.close()
-        await server.stop()
+        async with served() as (replica, server, channel):
+            bad = await channel.open({"id": "bad", "n": 2, "raise": True})
+            good = await channel.open({"id": "good", "n": 4})
+            assert [await bad.__anext__() for _ in range(2)] == [("bad", 0), ("bad", 1)]
+            with pytest.raises(ChannelClosed, match="the engine broke"):
+                await bad.__anext__()
+            assert await _drain(good) == [("good", i) for i in range(4)]
 
     run(main())
 
 
 def test_a_replica_that_goes_away_fails_every_open_stream_and_the_next_reconnects():
     async def main():
-        replica, server, channel = await _served()
-        streams = [await channel.open({"id": k, "n": 1, "hold": True}) for k in range(3)]
-        for s in streams:
-            await s.__anext__()
-        await server.stop()  # the replica's process would close them the same way when it dies
-        for s in streams:
-            with pytest.raises(ChannelClosed):
+        async with served() as (replica, server, channel):
+            streams = [await channel.open({"id": k, "n": 1, "hold": True}) for k in range(3)]
+            for s in streams:
                 await s.__anext__()
-        await _until(lambda: len(replica.released) == 3)  # the replica's side let every request go
-        # a new replica instance (another port): the old address is refused, the new one serves
-        with pytest.raises(OSError):
-            await (await channel.open({"id": "late", "n": 1})).__anext__()
-        server2 = ChannelServer(replica.generate)
-        channel.address = await server2.start("127.0.0.1")
-        assert await _drain(await channel.open({"id": "again", "n": 2})) == [("again", 0), ("again", 1)]
-        channel.close()
-        await server2.stop()
+            await server.stop()  # the replica's process would close them the same way when it dies
+            for s in streams:
+                with pytest.raises(ChannelClosed):
+                    await s.__anext__()
+            await _until(lambda: len(replica.released) == 3)  # the replica's side let every request go
+            # a new replica instance (another port): the old address is refused, the new one serves
+            with pytest.raises(OSError):
+                await (await channel.open({"id": "late", "n": 1})).__anext__()
+            server2 = ChannelServer(replica.generate)
+            channel.address = await server2.start("127.0.0.1")
+            assert await _drain(await channel.open({"id": "again", "n": 2})) == [("again", 0), ("again", 1)]
+            await server2.stop()
 
     run(main())
 
@@ -146,17 +146,16 @@ class Boom:
 
 def test_a_connection_without_the_secret_is_closed_unread():
     async def main():
-        replica, server, _ = await _served()
-        a = server.address
-        reader, writer = await asyncio.open_connection(a.host, a.port)
-        body = pickle.dumps(("open", 1, Boom()))
-        writer.write(b"0" * 32 + struct.pack(">I", len(body)) + body)
-        await writer.drain()
-        assert await reader.read() == b""  # closed by the server
-        assert Boom.opened == [] and replica.started == []
-        with pytest.raises(ChannelClosed):  # and a client given the wrong secret gets a closed stream
-            stream = await Channel(ChannelAddress(a.host, a.port, "f" * 32)).open({"id": 1, "n": 1})
-            await stream.__anext__()
-        await server.stop()
+        async with served() as (replica, server, _):
+            a = server.address
+            reader, writer = await asyncio.open_connection(a.host, a.port)
+            body = pickle.dumps(("open", 1, Boom()))
+            writer.write(b"0" * 32 + struct.pack(">I", len(body)) + body)
+            await writer.drain()
+            assert await reader.read() == b""  # closed by the server
+            assert Boom.opened == [] and replica.started == []
+            with pytest.raises(ChannelClosed):  # and a client given the wrong secret gets a closed stream
+                stream = await Channel(ChannelAddress(a.host, a.port, "f" * 32)).open({"id": 1, "n": 1})
+                await stream.__anext__()
 
     run(main())

@@ -8,7 +8,7 @@ the control calls (describe, ping, metrics); only the requests' streams take thi
 Frames: a 4-byte big-endian length, then a pickle of (kind, stream id, payload). The ingress opens a stream
 with ("open", id, RoutedGroup) and may end it early with ("cancel", id, None); the replica answers each
 stream with ("msg", id, Admitted | Refused | Batch) frames, then ("end", id, None), or ("error", id, text) if
-its generator raised. A connection starts with the replica's secret (from describe(), over Ray) in plain
+its generator raised. A connection starts with the replica's secret (from its ping(), over Ray) in plain
 bytes, checked before anything is unpickled, so only an ingress that asked Ray can speak. A connection that
 breaks fails every stream on it (the replica went away); the next stream opens a new connection.
 
@@ -67,13 +67,13 @@ class ChannelServer:
         self._generate = generate
         self._server: asyncio.base_events.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self.secret = secrets.token_hex(SECRET_BYTES // 2)
+        self._secret = secrets.token_hex(SECRET_BYTES // 2)
         self.address: ChannelAddress | None = None
 
     async def start(self, host: str) -> ChannelAddress:
         self._server = await asyncio.start_server(self._serve, host, 0)
         port = self._server.sockets[0].getsockname()[1]
-        self.address = ChannelAddress(host, port, self.secret)
+        self.address = ChannelAddress(host, port, self._secret)
         return self.address
 
     async def stop(self) -> None:
@@ -88,18 +88,17 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         tasks: dict[int, asyncio.Task] = {}
-        lock = asyncio.Lock()  # one frame at a time on the socket
         self._writers.add(writer)
         try:
             secret = await reader.readexactly(SECRET_BYTES)
-            if not hmac.compare_digest(secret, self.secret.encode()):
+            if not hmac.compare_digest(secret, self._secret.encode()):
                 log.warning("channel: a connection without the replica's secret, closed")
                 return
             while True:
                 kind, stream, payload = await _read_frame(reader)
                 if kind == "open":
                     tasks[stream] = asyncio.get_running_loop().create_task(
-                        self._run(stream, payload, writer, lock, tasks))
+                        self._run(stream, payload, writer, tasks))
                 elif kind == "cancel" and stream in tasks:
                     tasks.pop(stream).cancel()
         except (asyncio.IncompleteReadError, ConnectionError, ChannelClosed, pickle.UnpicklingError):
@@ -110,22 +109,19 @@ class ChannelServer:
             self._writers.discard(writer)
             writer.close()
 
-    async def _run(self, stream: int, payload: Any, writer: asyncio.StreamWriter, lock: asyncio.Lock,
+    async def _run(self, stream: int, payload: Any, writer: asyncio.StreamWriter,
                    tasks: dict[int, asyncio.Task]) -> None:
         async def send(kind: str, message: Any) -> None:
-            async with lock:
-                writer.write(_frame(kind, stream, message))
-                await writer.drain()
+            writer.write(_frame(kind, stream, message))  # a whole frame at once: streams never interleave inside one
+            await writer.drain()
 
         gen = self._generate(payload)
         try:
             async for message in gen:
                 await send("msg", message)
             await send("end", None)
-        except asyncio.CancelledError:
-            pass
-        except ConnectionError:
-            pass
+        except (asyncio.CancelledError, ConnectionError):
+            pass  # the ingress cancelled it, or went away
         except Exception as e:  # the generator raised: the ingress treats it as the replica failing this stream
             with contextlib.suppress(Exception):
                 await send("error", f"{type(e).__name__}: {e}")
