@@ -102,7 +102,7 @@ def phase(base: str, seconds: float, ctx) -> dict:
 
 def listener_cost() -> dict:
     """Microseconds the history spends per event (min of 5 repeats), in this process."""
-    from twospeed.engine.engine import StepStats
+    from twospeed.engine.engine_stats import StepStats
     from twospeed.engine.request import Request
     from twospeed.engine.sampling_params import SamplingParams
     from twospeed.server.events import FinishEvent, StepEvent

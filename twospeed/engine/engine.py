@@ -37,7 +37,7 @@ from twospeed.engine.admission import ModelLimits, check_params, check_prompt
 from twospeed.engine.isolation import execute_isolating, sample_isolating
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.cost_probe import probe, roofline_prior
-from twospeed.engine.engine_stats import EngineMemory, StepStats  # noqa: F401 (re-exported)
+from twospeed.engine.engine_stats import EngineMemory, StepStats
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.lazy_pool import LazyBlockPool

@@ -107,10 +107,11 @@ class OneDnnPacking:
 
 def packing_rows_hint() -> int:
     """The batch size oneDNN is told to lay a weight out for. The hint only picks between two blocked layouts:
-    1 gives AB16b64a2b, anything larger AB16b32a2b. On AMX the wide one is faster at every row count oneDNN
-    gets here (5 and up; the C kernel takes fewer): the ~100M Llama's four linears of a layer 0.71-0.86x the
-    time at 8-2048 rows, its 32000-row lm_head 0.62-0.95x, one Sapphire Rapids core (BENCHMARKS.md). Elsewhere
-    (AVX-512 BF16 without AMX, Zen 4) hint 1 was measured bit-identical to F.linear and as fast, and stays."""
+    1 gives AB16b64a2b, anything larger AB16b32a2b. On AMX the wide one is faster at nearly every row count
+    oneDNN gets here (more than AMX_KERNEL_MAX_ROWS): the ~100M Llama's four linears of a layer 0.72-0.90x the
+    time at 8-128 and 2,048-4,096 rows (1.12x at 512), its 32000-row lm_head 0.69-0.97x, two threads on Sapphire
+    Rapids; prefill 0.75-0.86x in the engine (BENCHMARKS.md). Elsewhere (AVX-512 BF16 without AMX, Zen 4) hint 1
+    was measured bit-identical to F.linear and as fast, and stays."""
     return 512 if has_amx() else 1
 
 

@@ -22,6 +22,7 @@ from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
 from twospeed.engine.engine_stats import EngineMemory
 from twospeed.engine.structured import grammar_compiler
+from twospeed.model.builtin import resolve_model_path
 
 if TYPE_CHECKING:
     from twospeed.engine.engine import LLMEngine
@@ -114,7 +115,5 @@ def load_tokenizer(facts: EngineFacts):
 
     path = Path(facts.model_path)
     if not path.is_dir():
-        from twospeed.model.builtin import resolve_model_path
-
         path = resolve_model_path(facts.config.model)
     return Tokenizer.from_pretrained(path)
