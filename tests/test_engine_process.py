@@ -67,6 +67,7 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
             view = await pe.ready()
             assert view.num_blocks == reference.num_blocks and view.max_model_len == 128
             assert view.tokenizer.encode("hello") == reference.tokenizer.encode("hello")
+            started = view.cost_model.num_observed  # the start-up probe's steps
             # bad input: refused whole with its field named, nothing left in the engine
             with pytest.raises(ValueError, match="max_model_len|room|exceed") as err:
                 await pe.add(group([1] * 200, max_tokens=4, name="long"))
@@ -87,6 +88,10 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
                 streamed.setdefault(it.request_id, []).extend(it.output.new_token_ids)
             assert streamed == {rid: it.output.token_ids for rid, it in last.items()}
             await until(lambda: pe.num_running == 0 and pe.num_waiting == 0)
+            # the engine's cost model reaches this side: seeded by its probe at ready, refreshed once it goes idle
+            await until(lambda: view.cost_model.num_observed >= started + 6)
+            assert view.cost_model.key == reference.cost_model.key
+            assert set(view.cost_model.coefficients) == set(reference.cost_model.coefficients)
         finally:
             await pe.shutdown()
         assert not pe.is_alive and pe._proc.returncode == 0

@@ -193,7 +193,9 @@ class LinearCostModel:
     def from_profile(cls, profile: dict, *, online: bool = False, **options) -> LinearCostModel:
         if list(profile.get("features", [])) != list(FEATURES):
             raise ValueError(f"a profile for features {profile.get('features')}, not {list(FEATURES)}")
-        return cls(profile["coefficients"], key=profile.get("key", ""), online=online, **options)
+        model = cls(profile["coefficients"], key=profile.get("key", ""), online=online, **options)
+        model.num_observed = int(profile.get("observations", 0))  # what the fit has seen, where it was fitted
+        return model
 
     @classmethod
     def fit(cls, observations: Iterable[tuple[StepShape, float]], prior: Sequence[float], *, key: str = "",

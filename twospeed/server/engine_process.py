@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -67,6 +68,9 @@ class EngineGroup:
     routed_time: float | None = None
 
 
+COST_EVERY = 1.0  # seconds between the cost model's snapshots to the server (the dashboard's calibrated costs)
+
+
 @dataclass(slots=True)
 class Outbox:
     """One message from the engine process: what one pass of its loop did."""
@@ -76,6 +80,7 @@ class Outbox:
     deltas: list[Delta] = field(default_factory=list)
     num_waiting: int = 0
     num_running: int = 0
+    cost_profile: dict | None = None  # the step cost model's coefficients, at most every COST_EVERY seconds
 
     def __bool__(self) -> bool:
         return bool(self.added or self.events or self.deltas)
@@ -103,6 +108,7 @@ class _PipeSink:
         self.loop = loop
         self.encoder = Encoder(TimeBase(SAME_CLOCK))
         self.box = Outbox()
+        self.costs_sent, self.costs_observed = time.monotonic(), 0  # the ready message carried the first snapshot
 
     def deliver(self, batch: list[tuple[EngineGroup, StreamItem]]) -> None:
         self.box.deltas += [self.encoder.delta(item) for _, item in batch]
@@ -120,7 +126,18 @@ class _PipeSink:
             return
         box, self.box = self.box, Outbox()
         box.num_waiting, box.num_running = self.loop.num_waiting, self.loop.num_running
+        self._attach_costs(box)
         self.conn.send(("out", box))
+
+    def _attach_costs(self, box: Outbox) -> None:
+        """The cost model's snapshot, once it has learnt steps since the last one: every COST_EVERY seconds while
+        busy, and when the engine goes idle (so the server's copy ends where the engine's fit ends)."""
+        model, now = getattr(self.loop.engine, "cost_model", None), time.monotonic()
+        idle = not (box.num_waiting or box.num_running)
+        due = idle or now - self.costs_sent >= COST_EVERY
+        if model is None or model.num_observed == self.costs_observed or not due:
+            return
+        box.cost_profile, self.costs_sent, self.costs_observed = model.profile(), now, model.num_observed
 
 
 # The engine process's command line. Signals first: Ctrl-C and a service manager's SIGTERM reach the whole process
@@ -222,6 +239,7 @@ class ProcessEngine:
         self._commands = None
         self._reader: threading.Thread | None = None
         self._exited = False
+        self._view: EngineView | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -340,9 +358,12 @@ class ProcessEngine:
         except Exception as e:
             self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
             return
+        self._view = view
         self._loop.call_soon_threadsafe(resolve_future, self._ready, None, view)
 
     def _receive(self, box: Outbox) -> None:
+        if box.cost_profile is not None and self._view is not None:
+            self._view.update_costs(box.cost_profile)
         with self._lock:
             self._num_waiting, self._num_running = box.num_waiting, box.num_running
             resolved = []

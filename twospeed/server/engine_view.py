@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
+from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.engine_stats import EngineMemory
 from twospeed.engine.structured import grammar_compiler
 from twospeed.model.builtin import resolve_model_path
@@ -47,6 +48,7 @@ class EngineFacts:
     eos_token_ids: frozenset[int]
     kv_bytes_per_block: int
     memory: EngineMemory  # its weight and KV formats and pool, in bytes (LLMEngine.memory)
+    cost_profile: dict | None = None  # its step cost model as plain data (LinearCostModel.profile), when built
 
     @classmethod
     def of(cls, engine: "LLMEngine | EngineView", name: str, instance: str, actor: str) -> "EngineFacts":
@@ -56,7 +58,8 @@ class EngineFacts:
         memory = engine.memory()
         return cls(name, instance, actor, socket.gethostname(), engine.config, str(engine.model_path),
                    engine.model_config.vocab_size, str(engine.dtype).removeprefix("torch."), engine.limits,
-                   engine.scheduler_config, engine.num_blocks, engine.eos_token_ids, memory.block_bytes, memory)
+                   engine.scheduler_config, engine.num_blocks, engine.eos_token_ids, memory.block_bytes, memory,
+                   cost_profile(engine))
 
     def mismatch(self, other: "EngineFacts") -> str | None:
         """How this replica's engine differs from another's in what the ingress relies on, or None."""
@@ -90,6 +93,13 @@ class EngineView:
         self.num_blocks = sum(f.num_blocks for f in facts)  # the cluster's pool (the dashboard's share of blocks)
         self._grammars = None
         self._grammars_lock = threading.Lock()
+        self.cost_model: LinearCostModel | None = None  # the first replica's, as it last reported it
+        self.update_costs(first.cost_profile)
+
+    def update_costs(self, profile: dict | None) -> None:
+        """Take the engine's latest cost-model snapshot (a fixed copy: the fitting happens in the engine)."""
+        if profile is not None:
+            self.cost_model = LinearCostModel.from_profile(profile)
 
     def memory(self) -> EngineMemory:
         """One replica's formats and bytes, with the pool the cluster's (every replica's blocks)."""
@@ -104,6 +114,12 @@ class EngineView:
             if self._grammars is None:
                 self._grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
+
+
+def cost_profile(engine) -> dict | None:
+    """An engine's step cost model as plain data, or None where it has none."""
+    model = getattr(engine, "cost_model", None)
+    return model.profile() if model is not None else None
 
 
 def load_tokenizer(facts: EngineFacts):
