@@ -1,7 +1,8 @@
 """Prefix-aware routing vs round-robin on two engine replicas (Ray Serve), same replicas, same sitting.
 
 Run:  .venv/bin/python benchmarks/bench_cluster.py [--workloads agent,agent-jobs,mixed] [--requests 60]
-          [--rate 2] [--rounds 2] [--replica-threads 1] [--no-direct-streams] [--out bench_out/cluster]
+          [--rate 2] [--rounds 2] [--replica-threads 1] [--no-direct-streams] [--engine-nice N]
+          [--out bench_out/cluster]
 Smoke (seconds of load, not numbers): --workloads agent --requests 4 --rounds 1 --scale 0.1
 On the demo model (4096 tokens) pass --scale 0.5 for agent-jobs: at 1.0 its 5k-token tool dumps do not fit, and every
 job's second call is a 400 (the table's errors row says so).
@@ -115,20 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--direct-streams", action=argparse.BooleanOptionalAction, default=True,
                     help="requests stream over each replica's TCP channel (default), or through Ray Serve's handle")
+    ap.add_argument("--engine-nice", type=int, default=0,
+                    help="niceness added to each replica's engine process (ServerConfig.engine_nice)")
     ap.add_argument("--out", default="bench_out/cluster")
     args = ap.parse_args(argv)
     console = Console(width=max(120, Console().width))
 
     start_ray(ClusterConfig(replicas=2, replica_cpus=args.replica_cpus))
     engine = EngineConfig.from_kwargs("demo", kv_cache_memory_gb=0.5)
-    server = ServerConfig(port=0, max_waiting=4096)
+    server = ServerConfig(port=0, max_waiting=4096, engine_nice=args.engine_nice)
     common = dict(replicas=2, replica_cpus=args.replica_cpus, replica_threads=args.replica_threads,
                   direct_streams=args.direct_streams)
     urls = {"prefix": deploy(engine, server, ClusterConfig(router="prefix", app_name="twospeed", **common)),
             "round-robin": deploy(engine, server, ClusterConfig(router="round-robin", app_name="rr",
                                                                  attach_to="twospeed", **common))}
     console.print(f"replicas up: prefix at {urls['prefix']}, round-robin at {urls['round-robin']} (same replicas); "
-                  f"streams {'direct' if args.direct_streams else 'through the Serve handle'}")
+                  f"streams {'direct' if args.direct_streams else 'through the Serve handle'}, "
+                  f"engine nice {args.engine_nice}")
     out = Path(args.out)
     summary = {}
     try:

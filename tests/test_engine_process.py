@@ -108,10 +108,12 @@ def test_an_abort_returns_every_block_and_a_dead_engine_ends_its_streams():
     loads = []
 
     async def main():
-        pe = ProcessEngine(CONFIG, listeners=[lambda e: isinstance(e, LoadEvent) and loads.append(e)])
+        pe = ProcessEngine(CONFIG, listeners=[lambda e: isinstance(e, LoadEvent) and loads.append(e)], nice=3)
         pe.start()
         try:
             await pe.ready()
+            # ServerConfig.engine_nice: the engine process runs that much nicer than the server's
+            assert os.getpriority(os.PRIO_PROCESS, pe.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
             g = group([5, 6, 7], max_tokens=100, name="long")
             await pe.add(g)
             first = await asyncio.wait_for(g.next(), 60)

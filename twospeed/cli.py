@@ -148,6 +148,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="step the engine in a process of its own, where the HTTP side never takes the GIL from "
                              "a step (the default); --no-engine-process: in a thread of the server's process")
+    parser.add_argument("--engine-nice", type=int, metavar="N",
+                        help="niceness added to the engine process (0-19, default 0): the server's own work then "
+                             "preempts a step on shared cores")
     parser.add_argument("--history-minutes", type=float,
                         help="minutes of steps and requests /dashboard keeps in memory (default 15)")
     parser.add_argument("--history-requests", type=int, help="ended sequences /dashboard keeps (default 4096)")

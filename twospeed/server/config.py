@@ -32,6 +32,10 @@ class ServerConfig:
     # The engine in a process of its own (server/engine_process.py: no HTTP work takes the GIL from a step), or in
     # a thread of the server's process (False: one process, as an embedded engine runs).
     engine_process: bool = True
+    # Niceness added to the engine process (0-19). Above 0, on cores the engine shares, the server's own work (an HTTP
+    # request, a replica's channel relaying a stream) preempts a step instead of waiting out its time slice; a step
+    # loses only what that work takes. 0 for `twospeed serve`; a cluster's replicas default to ClusterConfig's.
+    engine_nice: int = 0
     history_minutes: float = 15.0  # minutes of steps and requests the dashboard's history keeps (server/history.py)
     history_requests: int = 4096  # ended sequences the history keeps with their clock and bill
     price: str | None = None  # the dashboard's price table: "INPUT,CACHED,OUTPUT" dollars per 1M tokens
@@ -41,6 +45,8 @@ class ServerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be in 0..19, got {self.engine_nice}")
         if self.max_body_bytes < 1 or self.prep_threads < 1:
             raise ValueError("max_body_bytes and prep_threads must be >= 1")
         if self.max_tokens_policy not in ("error", "clamp"):

@@ -147,9 +147,11 @@ BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.sig
 
 
 def boot() -> None:
-    """The engine process's entry (BOOT): its pipes' file descriptors and the server's pid are its arguments, the
-    engine's config the first message."""
-    cmd_fd, res_fd, server_pid = (int(a) for a in sys.argv[1:4])
+    """The engine process's entry (BOOT): its pipes' file descriptors, the server's pid and the niceness to add are
+    its arguments, the engine's config the first message."""
+    cmd_fd, res_fd, server_pid, nice = (int(a) for a in sys.argv[1:5])
+    if nice > 0:
+        os.nice(nice)
     commands, results = Connection(cmd_fd, writable=False), Connection(res_fd, readable=False)
     engine_main(commands.recv(), commands, results, server_pid)
 
@@ -222,8 +224,10 @@ class _Open:
 class ProcessEngine:
     """EngineClient (server/engine_client.py) over an engine process."""
 
-    def __init__(self, config: EngineConfig, *, judge: Judge | None = None, listeners: list[Listener] = ()):
+    def __init__(self, config: EngineConfig, *, judge: Judge | None = None, listeners: list[Listener] = (),
+                 nice: int = 0):
         self.config = config
+        self.nice = nice  # added to the engine process's niceness (ServerConfig.engine_nice)
         self._judge = judge
         self.listeners: list[Listener] = list(listeners)  # called on the reader thread, in the engine's order
         self._base = TimeBase(SAME_CLOCK)
@@ -251,8 +255,8 @@ class ProcessEngine:
         # module in the child, and a script without an `if __name__ == "__main__"` guard would start a server there.
         paths = (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))  # this very twospeed
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        self._proc = subprocess.Popen([sys.executable, "-c", BOOT, str(cmd_recv), str(res_send), str(os.getpid())],
-                                      pass_fds=(cmd_recv, res_send), stdin=subprocess.DEVNULL, env=env)
+        argv = [sys.executable, "-c", BOOT, str(cmd_recv), str(res_send), str(os.getpid()), str(self.nice)]
+        self._proc = subprocess.Popen(argv, pass_fds=(cmd_recv, res_send), stdin=subprocess.DEVNULL, env=env)
         os.close(cmd_recv)
         os.close(res_send)  # only the child's copy stays open: its exit is this side's EOF
         self._commands = Connection(cmd_send, readable=False)

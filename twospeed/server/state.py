@@ -50,7 +50,8 @@ class ServerState:
         if client is not None:
             self.async_engine: EngineClient = client
         elif isinstance(engine, EngineConfig):
-            self.async_engine = ProcessEngine(engine, judge=self._judge, listeners=listeners)
+            self.async_engine = ProcessEngine(engine, judge=self._judge, listeners=listeners,
+                                              nice=server_config.engine_nice)
         else:
             self.async_engine = AsyncEngine(engine, judge=self._judge, listeners=listeners)
         self.to_unix = monotonic_to_unix()
