@@ -244,7 +244,21 @@ def steps_profile(url: str, since: float) -> dict | None:
     fewer = sum(1 for i in rows if steps["num_threads"][i] < most)
     return {"steps": len(rows), "p50": percentile(times, 50), "p99": percentile(times, 99), "max": times[-1],
             "slow_share": slow / len(rows),
-            "fewer_threads_share": fewer / len(rows)}
+            "fewer_threads_share": fewer / len(rows), "slowest": slowest_steps(steps, rows)}
+
+
+def slowest_steps(steps: dict, rows: list[int], share: float = 0.02) -> dict:
+    """What the slowest `share` of the steps were made of (medians): decode rows, prompt tokens, the target the
+    prompt share was sized to and the prediction. A slow token waits on one of these steps; whether it was the
+    decodes alone, a stretched target or a missed prediction says which lever bounds the ITL tail."""
+    top = sorted(rows, key=lambda i: steps["step_time"][i])[-max(1, round(share * len(rows))):]
+
+    def median(key: str) -> float | None:
+        values = sorted(v for i in top if (v := steps[key][i]) is not None)
+        return percentile(values, 50) if values else None
+
+    return {"n": len(top), **{k: median(k) for k in ("step_time", "num_decode_tokens", "num_prefill_tokens",
+                                                       "target_time", "predicted_time")}}
 
 
 def measure(plan: Plan, scratch: Path) -> dict:
@@ -322,11 +336,17 @@ def steps_table(runs: dict, key: str) -> list[str]:
     if not rows:
         return []
     lines = ["Engine steps (the server's history): measured step time p50 / p99 / max (ms), share over 1.5x the "
-             "prediction, share on fewer threads", "", "| run | steps | step time | > 1.5x predicted | fewer threads |",
-             "|---|---:|---|---:|---:|"]
+             "prediction, share on fewer threads; the slowest 2% of steps (medians): time, decode rows, prompt "
+             "tokens, the target they were sized to, the prediction (ms)", "",
+             "| run | steps | step time | > 1.5x predicted | fewer threads | slowest 2%: time / decodes / prompt / "
+             "target / predicted |", "|---|---:|---|---:|---:|---|"]
     for name, st in rows:
+        sl = st.get("slowest") or {}
+        count = "/".join("-" if sl.get(k) is None else f"{sl[k]:.0f}" for k in ("num_decode_tokens",
+                                                                                "num_prefill_tokens"))
         lines.append(f"| {name} | {st['steps']} | {ms(st['p50'])} / {ms(st['p99'])} / {ms(st['max'])} | "
-                     f"{st['slow_share']:.1%} | {st['fewer_threads_share']:.1%} |")
+                     f"{st['slow_share']:.1%} | {st['fewer_threads_share']:.1%} | {ms(sl.get('step_time'))} / "
+                     f"{count.replace('/', ' / ')} / {ms(sl.get('target_time'))} / {ms(sl.get('predicted_time'))} |")
     return lines + [""]
 
 
