@@ -18,6 +18,8 @@ KV) plus:
   time-50-thread  the defaults with --no-engine-process: the engine in a thread of the server's process, sharing
                its GIL with the HTTP side (how twospeed served before the engine got a process of its own)
   time-50-strict  --min-prompt-share 0: the 50 ms target strictly, one block a step where decodes fill it
+  time-50-share-25  --min-prompt-share 0.25: where decodes alone take the target up, a step stretches to 1.33x
+               their time (the default, 0.5, to 2x)
   time-slo     --slo for every lane of the workload (its ITL objectives x 0.8 size the steps while that lane
                decodes: chat 80 ms, agent 120 ms, rag 160 ms; nightly has none)
 vLLM (serve.py's command, its own defaults) replays the same traffic in the same sitting. For each engine and
@@ -84,6 +86,7 @@ VARIANTS = {
     "time-50-fixed-threads": ["--adapt-threads", "false"],  # the defaults without the thread governor
     "time-50-thread": ["--no-engine-process"],  # the defaults with the engine in a thread of the server's process
     "time-50-strict": ["--min-prompt-share", "0"],
+    "time-50-share-25": ["--min-prompt-share", "0.25"],  # a step stretches to 1.33x the decodes' time, not 2x
     "time-slo": ["@slo"],
 }
 
