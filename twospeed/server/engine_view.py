@@ -54,7 +54,8 @@ class EngineFacts:
     def of(cls, engine: "LLMEngine | EngineView", name: str, instance: str, actor: str) -> "EngineFacts":
         """The facts of an engine built in this process, or of one in a process of its own (its view's facts)."""
         if isinstance(engine, EngineView):
-            return replace(engine.replicas[0], name=name, instance=instance, actor=actor, node=socket.gethostname())
+            return replace(engine.replicas[0], name=name, instance=instance, actor=actor, node=socket.gethostname(),
+                           cost_profile=cost_profile(engine))  # the fit as its engine last reported it
         memory = engine.memory()
         return cls(name, instance, actor, socket.gethostname(), engine.config, str(engine.model_path),
                    engine.model_config.vocab_size, str(engine.dtype).removeprefix("torch."), engine.limits,
