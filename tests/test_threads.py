@@ -121,3 +121,60 @@ def test_a_process_counted_as_own_is_not_others():
         child.kill()
         child.wait()
     assert gov.others < 0.5
+
+
+class _FixedGovernor:
+    """A governor whose thread count the test sets (the engine asks it once a step)."""
+
+    def __init__(self, max_threads: int):
+        self.max_threads = self.threads = max_threads
+
+    def tick(self) -> int:
+        return self.threads
+
+
+def test_each_thread_count_has_its_own_step_cost_fit():
+    """Steps on one thread of two must not teach the two-thread fit (it would mispredict both): a count first
+    seen starts from the top count's coefficients scaled by the thread ratio, learns alone, and the top count's
+    fit comes back untouched when the governor returns to it."""
+    from twospeed.config import EngineConfig
+    from twospeed.engine.engine import LLMEngine
+    from twospeed.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1,
+                                                adapt_threads=False))
+    engine.threads = governor = _FixedGovernor(2)
+    engine._cost_models, engine._cost_threads = {2: engine.cost_model}, 2  # as built with a two-thread ceiling
+    top = engine.cost_model
+    before = dict(top.coefficients)
+
+    def run(n: int) -> None:
+        engine.add_request(f"r{n}", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    governor.threads = 1
+    run(0)
+    one = engine.cost_model
+    assert one is not top and engine.scheduler.cost_model is one and one.key == top.key
+    assert one.num_observed > 0 and top.coefficients == before  # the one-thread steps taught only their own fit
+    governor.threads = 2
+    run(1)
+    assert engine.cost_model is top and engine.scheduler.cost_model is top and top.num_observed > 0
+    governor.threads = 1
+    engine.step()
+    assert engine.cost_model is one  # the same fit again, not a fresh one
+
+
+def test_a_new_thread_count_starts_from_the_scaled_top_fit():
+    from twospeed.config import EngineConfig
+    from twospeed.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1,
+                                                adapt_threads=False))
+    engine.threads = governor = _FixedGovernor(4)
+    engine._cost_models, engine._cost_threads = {4: engine.cost_model}, 4
+    top = dict(engine.cost_model.coefficients)
+    governor.threads = 2
+    engine.step()  # nothing to run: only the model is picked
+    assert engine.cost_model.coefficients == pytest.approx({k: 2 * v for k, v in top.items()})

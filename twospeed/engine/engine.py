@@ -13,7 +13,7 @@ names the exception), the others get their tokens as if nothing happened.
 
 The step cost model (`cost_model`, seeded at start-up by engine/cost_probe.py)
 learns each step's measured time, so the scheduler's time-sized prompt share
-follows this machine.
+follows this machine; each thread count the governor steps with has its own.
 
 Speculative decoding (EngineConfig.spec, engine/spec.py) adds one thing before
 the schedule: each decoding request the policy lets speculate gets draft tokens,
@@ -98,6 +98,9 @@ class LLMEngine:
         if config.cost_probe:
             probe(self.runner, self.kv, self.sampler, self.cost_model, max_len, sched.max_num_batched_tokens)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, cost_model=self.cost_model)
+        top = self.threads.max_threads if self.threads is not None else 0
+        self._cost_models = {top: self.cost_model}  # one fit per thread count the governor steps with
+        self._cost_threads = top
         self.speculator = make_speculator(
             config.spec, target_vocab=self.model_config.vocab_size, max_model_len=max_len, dtype=self.dtype,
             device=self.device, num_blocks=self.num_blocks, block_size=cache.block_size,
@@ -188,6 +191,7 @@ class LLMEngine:
         start = time.monotonic()
         if self.threads is not None:
             self.threads.tick()
+            self._follow_threads()
         propose_time = 0.0
         if self.speculator is not None:
             propose_time = self.speculator.propose(self.scheduler.running, self.scheduler.requests.get)
@@ -292,6 +296,21 @@ class LLMEngine:
             req.error = f"the engine failed this request while {doing}: {type(e).__name__}: {e}"
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
         return list(failed)
+
+    def _follow_threads(self) -> None:
+        """Step cost by thread count: one of two threads takes ~1.5-2x the time, so a fit fed steps of both would
+        mispredict every step, and the prompt share it sizes (and stretches beside slow decodes) would miss its
+        target both ways. Each count the governor picks gets its own fit; a count first seen starts from the top
+        count's, scaled by the thread ratio, and learns from there."""
+        count = self.threads.threads
+        if count == self._cost_threads or self.scheduler.cost_model is not self.cost_model:
+            return  # unchanged, or a calibration's recorder stands in for the model
+        top = self._cost_models[self.threads.max_threads]
+        if count not in self._cost_models:
+            ratio = self.threads.max_threads / count
+            self._cost_models[count] = LinearCostModel([c * ratio for c in top.coefficients.values()], key=top.key)
+        self.cost_model = self.scheduler.cost_model = self._cost_models[count]
+        self._cost_threads = count
 
     def _learn_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The cost model learns the step's time; each stream that shared it with a prompt chunk notes its length."""
