@@ -143,6 +143,7 @@ def test_each_thread_count_has_its_own_step_cost_fit():
     seen starts from the top count's coefficients scaled by the thread ratio, learns alone, and the top count's
     fit comes back untouched when the governor returns to it."""
     from twospeed.config import EngineConfig
+    from twospeed.engine.cost_model import LinearCostModel
     from twospeed.engine.engine import LLMEngine
     from twospeed.engine.sampling_params import SamplingParams
 
@@ -169,6 +170,11 @@ def test_each_thread_count_has_its_own_step_cost_fit():
     governor.threads = 1
     engine.step()
     assert engine.cost_model is one  # the same fit again, not a fresh one
+    stand_in = LinearCostModel(list(top.coefficients.values()))  # as plan/calibrate.py's recorder stands in
+    engine.cost_model = engine.scheduler.cost_model = stand_in
+    governor.threads = 2
+    engine.step()
+    assert engine.cost_model is stand_in and engine.scheduler.cost_model is stand_in
 
 
 def test_a_new_thread_count_starts_from_the_scaled_top_fit():

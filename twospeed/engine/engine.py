@@ -303,8 +303,8 @@ class LLMEngine:
         target both ways. Each count the governor picks gets its own fit; a count first seen starts from the top
         count's, scaled by the thread ratio, and learns from there."""
         count = self.threads.threads
-        if count == self._cost_threads or self.scheduler.cost_model is not self.cost_model:
-            return  # unchanged, or a calibration's recorder stands in for the model
+        if count == self._cost_threads or self.cost_model is not self._cost_models.get(self._cost_threads):
+            return  # unchanged, or something stands in for the fit (plan/calibrate.py's recorder)
         top = self._cost_models[self.threads.max_threads]
         if count not in self._cost_models:
             ratio = self.threads.max_threads / count
