@@ -345,11 +345,11 @@ def steps_table(runs: dict, key: str) -> list[str]:
              "target / predicted |", "|---|---:|---|---:|---:|---|"]
     for name, st in rows:
         sl = st.get("slowest") or {}
-        count = "/".join("-" if sl.get(k) is None else f"{sl[k]:.0f}" for k in ("num_decode_tokens",
-                                                                                "num_prefill_tokens"))
+        count = " / ".join("-" if sl.get(k) is None else f"{sl[k]:.0f}" for k in ("num_decode_tokens",
+                                                                                  "num_prefill_tokens"))
         lines.append(f"| {name} | {st['steps']} | {ms(st['p50'])} / {ms(st['p99'])} / {ms(st['max'])} | "
                      f"{st['slow_share']:.1%} | {st['fewer_threads_share']:.1%} | {ms(sl.get('step_time'))} / "
-                     f"{count.replace('/', ' / ')} / {ms(sl.get('target_time'))} / {ms(sl.get('predicted_time'))} |")
+                     f"{count} / {ms(sl.get('target_time'))} / {ms(sl.get('predicted_time'))} |")
     return lines + [""]
 
 
