@@ -181,9 +181,11 @@ def test_prefill_chunks_attend_to_the_quantized_cache(kv, backend):
     for rows, table, n, positions in checks:
         ref = reference(q[rows], k_cache, v_cache, kv, table, n, positions, None)
         pv = reference(q[rows], k_cache, v_cache, kv, table, n, positions, None, weights_of_abs=True)
-        # on AMX the CPU backend sends chunks over flash_rows tokens to the portable path, with its tolerance
-        flash = backend == "cpu" and rows.start > 0 and (attn.flash_rows or 1 << 30) < rows.stop - rows.start
-        assert close(out[rows], ref, dtype, portable=backend == "torch" or flash, p_rounded=pv), \
+        # the CPU backend sends prompt chunks to the portable path, with its tolerance, where the bf16 prefill
+        # kernel does not build (no AVX-512 BF16) and, on AMX, for chunks over flash_rows tokens
+        ported = backend == "cpu" and rows.start > 0 and (
+            attn.prefill_kernel is None or (attn.flash_rows or 1 << 30) < rows.stop - rows.start)
+        assert close(out[rows], ref, dtype, portable=backend == "torch" or ported, p_rounded=pv), \
             (rows, (out[rows].double() - ref).abs().max())
 
 

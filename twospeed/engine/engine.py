@@ -49,6 +49,7 @@ from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.engine.spec import make_speculator
 from twospeed.engine.stop import Stop, check_stop
 from twospeed.model.builtin import resolve_model_path
+from twospeed.model.compute_dtype import auto_dtype
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,11 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = load_model_config(self.model_path)
-        self.dtype = self.model_config.dtype if config.dtype == "auto" else DTYPES[config.dtype]
         self.device = torch.device(config.device)
+        self.dtype = auto_dtype(self.model_config.dtype, self.device) if config.dtype == "auto" else DTYPES[config.dtype]
+        if self.dtype != self.model_config.dtype and config.dtype == "auto":
+            log.info("this CPU has no fast %s kernels: computing in %s (set dtype to override)",
+                     self.model_config.dtype, self.dtype)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         # Fewer threads while other processes take cores (engine/threads.py); the count set here is the ceiling.

@@ -24,6 +24,10 @@
  * float32; bias [N] bf16 or NULL; x [M, K] bf16 (row stride ldx), y [M, N] bf16 (row stride ldy). K even; the
  * AMX kernel needs K % 32 == 0.
  */
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512BF16__) || \
+    !defined(__AVX512VBMI__)
+#error "twospeed-unsupported: needs AVX-512 BF16 and VBMI (avx512f, avx512bw, avx512vl, avx512_bf16, avx512vbmi)"
+#endif
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
