@@ -18,11 +18,12 @@ from torch import nn
 from conftest import ARCH_CONFIGS, needs_kernel, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
-from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, PackedLinear, can_use_onednn, has_amx, linear_kernel,
-                                          onednn_rows, resolve_linear_backend)
+from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, WIDEN_MAX_ROWS, PackedLinear, can_use_onednn, has_amx,
+                                          linear_kernel, onednn_rows, resolve_linear_backend, widen_kernel)
 
 needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
 needs_linear_kernel = needs_kernel(linear_kernel, "linear_bf16")
+needs_widen_kernel = needs_kernel(widen_kernel, "linear_widen")
 
 SHAPES = [((40, 72), False), ((72, 40), True), ((768, 2048), False), ((13, 301), True), ((14, 301), True),
           ((64, 130), False)]
@@ -121,9 +122,9 @@ def test_packed_model_replaces_every_linear_and_counts_the_same_bytes(tmp_path, 
     assert load_model(tmp_path, torch.float32).lm_head.backend == "torch"  # fp32 keeps the portable path
 
 
-def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
+def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...], dtype: str = "bfloat16") -> list:
     """The same prompts, greedy with logprobs, through an engine per linear backend (chunked: steps mix
-    decodes and prefill chunks)."""
+    decodes and prefill chunks), on a bf16 checkpoint computed in `dtype`."""
     write_hf_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
     vocab = ARCH_CONFIGS[arch][2]["vocab_size"]
     rng = random.Random(1)
@@ -131,9 +132,10 @@ def greedy_runs(tmp_path, arch: str, backends: tuple[str, ...]) -> list:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     runs = []
     for backend in backends:
-        llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, linear_backend=backend,
+        llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, linear_backend=backend,
                   max_num_batched_tokens=24, num_gpu_blocks=64)
-        assert llm.engine.model.lm_head.backend == backend
+        assert llm.engine.model.lm_head.backend == resolve_linear_backend(backend, "cpu", llm.engine.dtype,
+                                                                          stored=torch.bfloat16)
         runs.append(llm.generate(prompts, params))
     return runs
 
@@ -146,16 +148,73 @@ def test_engine_tokens_and_logprobs_identical_with_onednn_packing(tmp_path, arch
         assert [lp.logprob for lp in a.logprobs] == [lp.logprob for lp in b.logprobs]
 
 
+def agree_up_to_near_ties(a, b, logprob_abs: float) -> None:
+    """Greedy tokens equal, or at the first difference a near tie: each side's token in the other's top 3."""
+    for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+        if ta != tb:
+            assert ta in b.logprobs[i].top and tb in a.logprobs[i].top
+            break
+        assert a.logprobs[i].logprob == pytest.approx(b.logprobs[i].logprob, abs=logprob_abs)
+
+
 @needs_linear_kernel
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_engine_with_the_kernel_agrees_with_the_portable_path(tmp_path, arch):
-    """Greedy tokens equal, or at the first difference a near tie: each side's token in the other's top 3."""
     for a, b in zip(*greedy_runs(tmp_path, arch, ("torch", "cpu"))):
-        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
-            if ta != tb:
-                assert ta in b.logprobs[i].top and tb in a.logprobs[i].top
-                break
-            assert a.logprobs[i].logprob == pytest.approx(b.logprobs[i].logprob, abs=0.05)
+        agree_up_to_near_ties(a, b, 0.05)
+
+
+# -- bf16 weights for float32 activations (csrc/linear_widen.c) --------------------------------------------------
+def widened_linear(shape, bias, rows, seed):
+    """A float32 linear holding bf16 values (a bf16 checkpoint loaded in float32) and float32 activations."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(*shape, bias=bias).requires_grad_(False)
+    lin.weight.copy_(lin.weight.bfloat16().float())
+    return lin, torch.randn(rows, shape[0])
+
+
+def within_fp32_summation(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> bool:
+    """|y - exact| <= (K + 1) u sum |x w| + |b| (u = 2^-24): float32 summation's bound in any order."""
+    w = lin.weight.double()
+    bias = lin.bias.double() if lin.bias is not None else torch.zeros(w.shape[0], dtype=torch.float64)
+    exact = x.double() @ w.T + bias
+    bound = (x.double().abs() @ w.abs().T + bias.abs()) * (x.shape[1] + 1) * 2.0 ** -24
+    return bool(((y.double() - exact).abs() <= bound).all())
+
+
+@needs_widen_kernel
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, WIDEN_MAX_ROWS, WIDEN_MAX_ROWS + 1, 37])
+@pytest.mark.parametrize("shape,bias", SHAPES)
+def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
+    lin, x = widened_linear(shape, bias, rows, rows)
+    packed = PackedLinear.from_linear(lin, "widen")
+    assert packed.packed.weight.dtype == torch.bfloat16 and packed.dtype_bytes == 2  # half the bytes a step reads
+    y = packed(x)
+    assert y.shape == (rows, shape[1]) and y.dtype == torch.float32
+    assert within_fp32_summation(y, x, lin)
+    assert within_fp32_summation(F.linear(x, lin.weight, lin.bias), x, lin)  # the bound is the portable path's own
+    strided = torch.cat([x, torch.zeros(rows, 5)], dim=1)[:, :shape[0]]
+    assert torch.equal(packed(strided), y)
+
+
+@needs_widen_kernel
+def test_widening_kernel_catches_a_wrong_weight():
+    lin, x = widened_linear((64, 130), False, 3, 0)
+    packed = PackedLinear.from_linear(lin, "widen")
+    lin.weight[77, 3] += 1.0
+    assert not within_fp32_summation(packed(x), x, lin)
+
+
+@needs_widen_kernel
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_a_bf16_checkpoint_computed_in_float32_widens_and_agrees_with_the_portable_path(tmp_path, arch):
+    """dtype float32 over a bf16 checkpoint: "cpu" (as "auto" where no bf16 kernel runs) keeps the weights in
+    bf16 for the widening kernel; tokens and logprobs agree with float32 F.linear up to float32 summation."""
+    torch_run, widen_run = greedy_runs(tmp_path, arch, ("torch", "cpu"), dtype="float32")
+    for a, b in zip(torch_run, widen_run):
+        agree_up_to_near_ties(a, b, 1e-3)
+    assert resolve_linear_backend("auto", "cpu", torch.float32, stored=torch.bfloat16) == "widen"
+    assert resolve_linear_backend("auto", "cpu", torch.float32, stored=torch.float32) == "torch"  # fp32 weights stay
 
 
 def test_onednn_row_buckets_cover_every_count_with_few_shapes():

@@ -154,7 +154,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     (model/kv_format.py); the runner allocates the cache to match (model.kv_format)."""
     cfg = load_model_config(path)
     dtype = dtype or cfg.dtype
-    fmt = make_weight_format(quantization, linear_backend, device, dtype)
+    fmt = make_weight_format(quantization, linear_backend, device, dtype, stored=cfg.dtype)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

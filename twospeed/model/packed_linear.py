@@ -15,9 +15,14 @@ same `forward(x, bias)`:
 - "onednn" (`OneDnnPacking`): oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every
   call). On Zen 4 bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
   kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
+- "cpu" on a CPU without bf16 kernels (`WidenPacking`): a bf16 checkpoint there computes in float32
+  (model/compute_dtype.py), but its weights stay bf16 and csrc/linear_widen.c (AVX2 + FMA) widens them in
+  registers for decode-sized steps: half the bytes a step streams. Beyond `WIDEN_MAX_ROWS` rows the weight is
+  widened for the BLAS. Same float32 products as float32 weights; the sums run in another order.
 - "torch" (`PlainWeight`): `F.linear`, any device and dtype: the portable path the others are tested against.
 - "auto": the C kernel where it builds (a C compiler and AVX-512 BF16), else oneDNN where it has bf16 kernels,
-  else plain. A linear with an odd input width (no k pairs) takes oneDNN or plain instead of the kernel.
+  else the widening kernel for a bf16 checkpoint computed in float32, else plain. A linear with an odd input
+  width (no k pairs) takes oneDNN or plain instead of the AVX-512 kernel.
 
 tests/test_packed_linear.py checks each against a float64 reference and the engine's tokens against HF's.
 """
@@ -159,7 +164,44 @@ class KernelPacking:
         return y.view(*lead, self.out_features)
 
 
-PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, PlainWeight)}
+# Rows up to this many take csrc/linear_widen.c, more the BLAS over the widened weight. 32 distinct 2048 x 768
+# linears (streamed from memory), two threads on an AVX2 Zen 3, ms: kernel 8.2 / 9.8 / 20.9 / 82 at 1 / 4 / 8 /
+# 12 rows; float32 weights through the BLAS 26.5 / 58.3 / 55.5 / 58.5; widen + BLAS 42 / 64 / 82 / 78, 52 at 16.
+WIDEN_MAX_ROWS = 8
+
+
+@lru_cache(maxsize=1)
+def widen_kernel() -> ctypes.CDLL | None:
+    """csrc/linear_widen.c, built on first use; None without a compiler or AVX2 + FMA."""
+    return load_library("linear_widen", {"linear_widen": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]})
+
+
+class WidenPacking:
+    """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read
+    once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
+    (a bf16 checkpoint loaded in float32), so storing it in bf16 loses nothing."""
+
+    name = "widen"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = rows_2d(x, self.in_features)
+        m = x2.shape[0]
+        if m > WIDEN_MAX_ROWS:
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
+        if m:
+            widen_kernel().linear_widen(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(),
+                                        None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                                        m, self.out_features, self.in_features, torch.get_num_threads())
+        return y.view(*lead, self.out_features)
+
+
+PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, WidenPacking, PlainWeight)}
 
 
 class PackedLinear(FormatLinear):
@@ -185,6 +227,7 @@ class PackedLinear(FormatLinear):
 
     def finish_loading(self) -> None:
         self.packed = self.packing(self.weight.detach())
+        self.dtype_bytes = self.packed.weight.element_size()  # what a step reads a weight as (bf16 when widened)
         if self.packing is not PlainWeight:
             del self.weight  # the packed copy replaces it
 
@@ -226,15 +269,20 @@ class DenseFormat(WeightFormat):
         self.shares_tied_embedding = packing is PlainWeight  # nothing to pack: the head reads the table itself
 
     @classmethod
-    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype) -> DenseFormat:
-        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-        if backend == "cpu" and not (cpu_bf16 and linear_kernel() is not None):
-            raise ValueError("linear_backend 'cpu' needs a CPU device, bf16 weights, a C compiler and AVX-512 BF16")
+    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype,
+                stored: torch.dtype | None = None) -> DenseFormat:
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and linear_kernel() is not None
+        widen = (device.type == "cpu" and dtype == torch.float32 and stored == torch.bfloat16
+                 and widen_kernel() is not None)
+        if backend == "cpu" and not (cpu_bf16 or widen):
+            raise ValueError("linear_backend 'cpu' needs a CPU device, a C compiler and either bf16 weights with "
+                             "AVX-512 BF16, or a bf16 checkpoint computed in float32 with AVX2")
         if backend == "onednn" and not can_use_onednn(device, dtype):
             raise ValueError("linear_backend 'onednn' needs a CPU device, bf16 weights and oneDNN bf16 kernels")
+        if backend == "cpu":
+            backend = "cpu" if cpu_bf16 else "widen"
         if backend == "auto":
-            backend = "cpu" if cpu_bf16 and linear_kernel() is not None else (
-                "onednn" if can_use_onednn(device, dtype) else "torch")
+            backend = "cpu" if cpu_bf16 else "onednn" if can_use_onednn(device, dtype) else "widen" if widen else "torch"
         return cls(PACKINGS[backend])
 
     def linear(self, in_features: int, out_features: int, bias: bool,
@@ -242,8 +290,10 @@ class DenseFormat(WeightFormat):
         return PackedLinear(in_features, out_features, bias, shard_sizes, self.packing)
 
 
-def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """What `backend` means here for unquantized weights: "cpu", "onednn" or "torch"; errors if it cannot run."""
+def resolve_linear_backend(backend: str, device: torch.device | str, dtype: torch.dtype,
+                           stored: torch.dtype | None = None) -> str:
+    """What `backend` means here for unquantized weights stored in `stored` (default: `dtype`): "cpu", "onednn",
+    "widen" or "torch"; errors if it cannot run."""
     from twospeed.model.weight_format import make_weight_format
 
-    return make_weight_format(None, backend, device, dtype).packing.name
+    return make_weight_format(None, backend, device, dtype, stored).packing.name

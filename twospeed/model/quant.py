@@ -96,7 +96,8 @@ class Q8Format(WeightFormat):
         self.use_kernel = use_kernel
 
     @classmethod
-    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype) -> Q8Format:
+    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype,
+                stored: torch.dtype | None = None) -> Q8Format:
         if backend == "onednn":
             raise ValueError(f"quantization {cls.name!r} has no oneDNN path: linear_backend 'auto', 'cpu' or 'torch'")
         kernel = device.type == "cpu" and dtype == torch.bfloat16 and q8_kernel() is not None

@@ -21,7 +21,7 @@ from torch import nn
 
 from twospeed.model import formats
 
-LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")  # "cpu" means the widening kernel where it applies
 
 
 class ShapeMismatch(ValueError):
@@ -103,8 +103,10 @@ class WeightFormat(ABC):
 
     @classmethod
     @abstractmethod
-    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype) -> WeightFormat:
-        """This format on `device` for `dtype` activations with `linear_backend` = backend; errors if it cannot run."""
+    def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype,
+                stored: torch.dtype | None = None) -> WeightFormat:
+        """This format on `device` for `dtype` activations with `linear_backend` = backend, the checkpoint's weights
+        stored in `stored` (None: `dtype`); errors if it cannot run."""
 
     @abstractmethod
     def linear(self, in_features: int, out_features: int, bias: bool,
@@ -123,9 +125,10 @@ def _formats() -> dict[str | None, type[WeightFormat]]:
 
 
 def make_weight_format(quantization: str | None, linear_backend: str, device: torch.device | str,
-                       dtype: torch.dtype) -> WeightFormat:
-    """The format for the engine's `quantization` and `linear_backend` options on this device and dtype."""
+                       dtype: torch.dtype, stored: torch.dtype | None = None) -> WeightFormat:
+    """The format for the engine's `quantization` and `linear_backend` options on this device and dtype, for a
+    checkpoint whose weights are stored in `stored` (None: `dtype`)."""
     formats.weight_format(quantization)  # the name is known (the message lists what users may choose)
     if linear_backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {linear_backend!r}")
-    return _formats()[quantization].resolve(linear_backend, torch.device(device), dtype)
+    return _formats()[quantization].resolve(linear_backend, torch.device(device), dtype, stored)
