@@ -1,6 +1,6 @@
 """Prefix-aware routing vs round-robin on two engine replicas (Ray Serve), same replicas, same sitting.
 
-Run:  .venv/bin/python benchmarks/bench_cluster.py [--workloads agent,agent-jobs,mixed] [--requests 60]
+Run:  .venv/bin/python benchmarks/bench_cluster.py [--workloads agent,agent-jobs,agent-sessions,mixed] [--requests 60]
           [--rate 2] [--rounds 2] [--replica-threads 1] [--no-direct-streams] [--engine-nice N]
           [--out bench_out/cluster]
 Smoke (seconds of load, not numbers): --workloads agent --requests 4 --rounds 1 --scale 0.1
@@ -17,9 +17,13 @@ replicas share the cores: compare the routers, not the scale-out. Targets (issue
 round-robin's on session-shaped agent traffic with a lower agent TTFT p50; route p99 <= 5 ms on loopback.
 
 `agent` sends every turn the same ~2k-token prefix, so after one request per replica both routers hit it;
-`agent-jobs` grows each job's history call by call (sessions), which is where affinity pays. A job's number of
-calls depends on its answers (gates, loops), so for `agent-jobs` compare the cached share of prompt tokens (and
-per request), not the totals.
+`agent-jobs` grows each job's history call by call (sessions), which is where affinity pays, but every job starts
+with the same ~1.5k-token system block, which round-robin also finds cached on either replica (the most any
+router can gain there is 1 / round-robin's cached share). `agent-sessions` is `agent-jobs` with `prefix_reuse: 0`
+(each job its own system block, written here from the built-in): sessions share nothing across jobs, so what is
+cached is each session's own history, and only affinity finds it. A job's number of calls depends on its answers
+(gates, loops), so for the job workloads compare the cached share of prompt tokens (and per request), not the
+totals.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+from importlib import resources
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,6 +43,7 @@ from twospeed.cluster import keep_ray_on_loopback  # noqa: E402
 keep_ray_on_loopback()
 
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -48,6 +54,23 @@ from twospeed.lab.bench import BenchConfig, run_bench  # noqa: E402
 from twospeed.server.config import ServerConfig  # noqa: E402
 
 ROUTERS = ("prefix", "round-robin")
+# Workloads derived from a built-in one: name -> (built-in, lane fields set on every lane)
+DERIVED = {"agent-sessions": ("agent-jobs", {"prefix_reuse": 0.0})}
+
+
+def workload_spec(name: str, out: Path) -> str:
+    """A built-in name or a file as it is; a DERIVED name written as a YAML file under `out`."""
+    if name not in DERIVED:
+        return name
+    base, fields = DERIVED[name]
+    doc = yaml.safe_load(resources.files("twospeed.lab").joinpath("workloads", f"{base}.yaml").read_text())
+    doc["name"] = name
+    for lane in doc["lanes"]:
+        lane.update(fields)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -106,7 +129,7 @@ def print_workload(name: str, by_router: dict[str, dict], console: Console) -> N
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="agent,agent-jobs,mixed")
+    ap.add_argument("--workloads", default="agent,agent-jobs,agent-sessions,mixed")
     ap.add_argument("--requests", type=int, default=60, help="requests (or jobs) per run")
     ap.add_argument("--rate", type=float, default=2.0, help="requests (or jobs) per second, open loop")
     ap.add_argument("--rounds", type=int, default=2, help="runs per router per workload (the order alternates)")
@@ -141,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.rounds):
                 for router in (ROUTERS if k % 2 == 0 else ROUTERS[::-1]):
                     label = f"{workload} {router} round {k}"
-                    cfg = BenchConfig(url=urls[router], model="demo", workload=workload, requests=args.requests,
+                    cfg = BenchConfig(url=urls[router], model="demo", workload=workload_spec(workload, out),
+                                      requests=args.requests,
                                       rate=args.rate, seed=k, scale=args.scale,
                                       max_output_tokens=args.max_output_tokens, label=label, progress=False,
                                       out=str(out / workload / f"{router}-{k}"))

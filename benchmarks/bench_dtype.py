@@ -58,15 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         rows[f"HF {str(picked).removeprefix('torch.')}"] = {**hf_single(hf, prompt, args.new),
                                                             "dtype": str(picked).removeprefix("torch.")}
     ref = rows["twospeed auto"]["tokens"]
-    lines = ["| engine | computes in | TTFT (ms) | decode tok/s | tokens equal to twospeed auto |", "|---|---|---|---|---|"]
+    lines = ["| engine | computes in | TTFT (ms) | decode tok/s | tokens equal to twospeed auto |",
+             "|---|---|---|---|---|"]
     for name, r in rows.items():
         same = sum(a == b for a, b in zip(r["tokens"], ref))
         lines.append(f"| {name} | {r['dtype']} | {r['ttft'] * 1e3:.0f} | {r['decode_tps']:.1f} | {same}/{len(ref)} |")
     auto, bf16 = rows["twospeed auto"], rows["twospeed bfloat16"]
     hf_row = rows[f"HF {str(picked).removeprefix('torch.')}"]
     lines.append("")
-    lines.append(f"auto / bfloat16: TTFT {auto['ttft'] / bf16['ttft']:.3f}x, decode {auto['decode_tps'] / bf16['decode_tps']:.2f}x; "
-                 f"auto / HF: TTFT {auto['ttft'] / hf_row['ttft']:.2f}x, decode {auto['decode_tps'] / hf_row['decode_tps']:.2f}x")
+    lines.append(f"auto / bfloat16: TTFT {auto['ttft'] / bf16['ttft']:.3f}x, "
+                 f"decode {auto['decode_tps'] / bf16['decode_tps']:.2f}x; auto / HF: TTFT "
+                 f"{auto['ttft'] / hf_row['ttft']:.2f}x, decode {auto['decode_tps'] / hf_row['decode_tps']:.2f}x")
     table = "\n".join(lines)
     print(table)
     if not args.no_write:

@@ -217,14 +217,14 @@ class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
     model: str  # checkpoint folder, or a built-in ("demo", "demo-task")
-    dtype: str = "auto"  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
+    dtype: str = "auto"  # "auto" (the checkpoint's; float32 on a CPU without its kernels), "float32", "bfloat16", ...
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
     # Weight-only quantization at load: None (the checkpoint's weights), "int8" or "fp8" (a float32 scale per output
     # row; one byte a weight: half the bytes a bf16 decode step reads). model/quant.py
     quantization: str | None = None
-    linear_backend: str = "auto"  # "auto" (CPU bf16: the C kernels, else oneDNN-packed), "cpu", "onednn", "torch"
+    linear_backend: str = "auto"  # "auto" (CPU bf16: C kernels, else oneDNN; AVX2: widening), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
     # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
     # False starts from a roofline guess, which the engine's own steps then correct.

@@ -282,7 +282,8 @@ class DenseFormat(WeightFormat):
         if backend == "cpu":
             backend = "cpu" if cpu_bf16 else "widen"
         if backend == "auto":
-            backend = "cpu" if cpu_bf16 else "onednn" if can_use_onednn(device, dtype) else "widen" if widen else "torch"
+            backend = ("cpu" if cpu_bf16 else "onednn" if can_use_onednn(device, dtype)
+                       else "widen" if widen else "torch")
         return cls(PACKINGS[backend])
 
     def linear(self, in_features: int, out_features: int, bias: bool,
