@@ -93,15 +93,6 @@ def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     assert torch.equal(packed(many), onednn(many))
 
 
-@needs_linear_kernel
-def test_kernel_catches_a_wrong_weight():
-    """The reference check is not vacuous: one changed weight moves outputs by more than a rounding."""
-    lin, x = bf16_linear((64, 130), False, 9, 0)
-    packed = PackedLinear.from_linear(lin, "cpu")
-    lin.weight[77, 3] += 1.0
-    assert not within_one_rounding(packed(x), x, lin)
-
-
 def test_backend_names_are_checked():
     assert resolve_linear_backend("auto", "cpu", torch.float32) == "torch"  # fp32 keeps the portable path
     assert resolve_linear_backend("torch", "cpu", torch.bfloat16) == "torch"
@@ -197,12 +188,15 @@ def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
     assert torch.equal(packed(strided), y)
 
 
-@needs_widen_kernel
-def test_widening_kernel_catches_a_wrong_weight():
-    lin, x = widened_linear((64, 130), False, 3, 0)
-    packed = PackedLinear.from_linear(lin, "widen")
+@pytest.mark.parametrize("packing,make,within,rows", [
+    pytest.param("cpu", bf16_linear, within_one_rounding, 9, marks=needs_linear_kernel),
+    pytest.param("widen", widened_linear, within_fp32_summation, 3, marks=needs_widen_kernel)])
+def test_a_kernel_catches_a_wrong_weight(packing, make, within, rows):
+    """The reference checks are not vacuous: one changed weight moves outputs by more than the bound."""
+    lin, x = make((64, 130), False, rows, 0)
+    packed = PackedLinear.from_linear(lin, packing)
     lin.weight[77, 3] += 1.0
-    assert not within_fp32_summation(packed(x), x, lin)
+    assert not within(packed(x), x, lin)
 
 
 @needs_widen_kernel
