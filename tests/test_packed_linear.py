@@ -174,7 +174,7 @@ def within_fp32_summation(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> b
 
 
 @needs_widen_kernel
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, WIDEN_MAX_ROWS, WIDEN_MAX_ROWS + 1, 37])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 6, 37, WIDEN_MAX_ROWS, WIDEN_MAX_ROWS + 1])
 @pytest.mark.parametrize("shape,bias", SHAPES)
 def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
     lin, x = widened_linear(shape, bias, rows, rows)

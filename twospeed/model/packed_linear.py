@@ -17,8 +17,9 @@ same `forward(x, bias)`:
   kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
 - "cpu" on a CPU without bf16 kernels (`WidenPacking`): a bf16 checkpoint there computes in float32
   (model/compute_dtype.py), but its weights stay bf16 and csrc/linear_widen.c (AVX2 + FMA) widens them in
-  registers for decode-sized steps: half the bytes a step streams. Beyond `WIDEN_MAX_ROWS` rows the weight is
-  widened for the BLAS. Same float32 products as float32 weights; the sums run in another order.
+  registers: half the bytes a decode step streams, and on par with the BLAS up to a few hundred rows. Beyond
+  `WIDEN_MAX_ROWS` rows the weight is widened for the BLAS. Same float32 products as float32 weights; the sums
+  run in another order.
 - "torch" (`PlainWeight`): `F.linear`, any device and dtype: the portable path the others are tested against.
 - "auto": the C kernel where it builds (a C compiler and AVX-512 BF16), else oneDNN where it has bf16 kernels,
   else the widening kernel for a bf16 checkpoint computed in float32, else plain. A linear with an odd input
@@ -164,10 +165,11 @@ class KernelPacking:
         return y.view(*lead, self.out_features)
 
 
-# Rows up to this many take csrc/linear_widen.c, more the BLAS over the widened weight. 32 distinct 2048 x 768
-# linears (streamed from memory), two threads on an AVX2 Zen 3, ms: kernel 8.2 / 9.8 / 20.9 / 82 at 1 / 4 / 8 /
-# 12 rows; float32 weights through the BLAS 26.5 / 58.3 / 55.5 / 58.5; widen + BLAS 42 / 64 / 82 / 78, 52 at 16.
-WIDEN_MAX_ROWS = 8
+# Rows up to this many take csrc/linear_widen.c, more the BLAS over the widened weight. 16 distinct 2048 x 768
+# linears (streamed from memory), two threads on an AVX2 Zen 3, ms, kernel / widen + BLAS / float32 weights + BLAS:
+# 27.8 / 106 / 43.9 at 32 rows, 88.2 / 125 / 112 at 128, 193 / 192 / 182 at 256, 380 / 337 / 312 at 512; at 1-8 rows
+# (32 linears) 9.5-13.8 against 19.4-37.9 for float32 weights (BENCHMARKS.md).
+WIDEN_MAX_ROWS = 256
 
 
 @lru_cache(maxsize=1)
@@ -177,8 +179,8 @@ def widen_kernel() -> ctypes.CDLL | None:
 
 
 class WidenPacking:
-    """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read
-    once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
+    """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read from
+    memory once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
     (a bf16 checkpoint loaded in float32), so storing it in bf16 loses nothing."""
 
     name = "widen"

@@ -7,10 +7,11 @@
  *
  *   y[m][n] = sum_k x[m][k] * float(w[n][k]) + bias[n]      (float32 sums; the order differs from a GEMM's)
  *
- * For the few rows of a decode step: a thread owns a run of output rows n; for each, every activation row is
- * swept over the weight row, four at a time with two accumulators each (eight independent FMA chains), so W is
- * read from memory once per call and x stays in cache. Many rows (prefill) are a GEMM's job: the caller widens
- * the weight and calls the BLAS instead (model/packed_linear.py).
+ * A thread takes a tile of 48 weight rows at a time; blocks of 4 activation rows x 3 weight rows run as 12
+ * register accumulators over k (each x load feeds three FMAs, each widened weight four), and every block of
+ * activation rows sweeps the tile while it sits in L2, so W is read from memory once per call. Prefill-sized
+ * steps are a tuned GEMM's job: past WIDEN_MAX_ROWS the caller widens the weight for the BLAS
+ * (model/packed_linear.py).
  *
  * x [M, K] float32 (row stride ldx), w [N, K] bf16 row-major, bias [N] float32 or NULL, y [M, N] (row stride ldy).
  */
@@ -22,7 +23,10 @@
 
 #include "bf16.h"
 
-#define MR 4  /* activation rows per sweep of a weight row */
+#define MB 4    /* activation rows per register block */
+#define NB 3    /* weight rows per register block: MB x NB accumulators + NB widened weights + one x vector = 16 */
+#define TILE 48 /* weight rows a thread takes at a time (a multiple of NB): its bf16 rows stay in L2 while every
+                   block of activation rows sweeps them, so W is read from memory once per call */
 
 static inline __m256 widen8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -35,45 +39,54 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* rows x[0..R) (R <= MR, a constant where inlined) against one weight row: out[r] = sum_k x[r][k] w[k] */
-static inline __attribute__((always_inline)) void dot_rows(const float *x, int64_t ldx, const uint16_t *w, int K,
-                                                           int R, float *out) {
-    __m256 a[MR], b[MR];
-    for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
+/* y[r][c] = sum_k x[r][k] w[c][k] + bias[c] for r < R, c < C (constants where inlined: R <= MB, C <= NB). */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const uint16_t *w, int K,
+                                                        const float *bias, float *y, int64_t ldy, int R, int C) {
+    __m256 acc[MB][NB];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     int k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256 w0 = widen8(w + k), w1 = widen8(w + k + 8);
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[NB];
+        for (int c = 0; c < C; c++) wv[c] = widen8(w + (int64_t)c * K + k);
         for (int r = 0; r < R; r++) {
-            a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a[r]);
-            b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), b[r]);
+            const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
-    for (; k + 8 <= K; k += 8) {
-        const __m256 w0 = widen8(w + k);
-        for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a[r]);
-    }
-    for (int r = 0; r < R; r++) {
-        float s = hsum(_mm256_add_ps(a[r], b[r]));
-        for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * bf16_to_f32(w[kk]);
-        out[r] = s;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(acc[r][c]);
+            for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * bf16_to_f32(w[(int64_t)c * K + kk]);
+            y[r * ldy + c] = s + (bias ? bias[c] : 0.0f);
+        }
+}
+
+/* One instantiation per (R, C) shape, so every loop above unrolls over registers. */
+#define BLOCK(R, C) block(x, ldx, w, K, bias, y, ldy, R, C)
+static void any_block(const float *x, int64_t ldx, const uint16_t *w, int K, const float *bias, float *y, int64_t ldy,
+                      int R, int C) {
+    switch (R * 4 + C) {
+        case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;  case 4 * 4 + 1: BLOCK(4, 1); break;
+        case 3 * 4 + 3: BLOCK(3, 3); break;  case 3 * 4 + 2: BLOCK(3, 2); break;  case 3 * 4 + 1: BLOCK(3, 1); break;
+        case 2 * 4 + 3: BLOCK(2, 3); break;  case 2 * 4 + 2: BLOCK(2, 2); break;  case 2 * 4 + 1: BLOCK(2, 1); break;
+        case 1 * 4 + 3: BLOCK(1, 3); break;  case 1 * 4 + 2: BLOCK(1, 2); break;  default: BLOCK(1, 1); break;
     }
 }
 
 void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
                   int M, int N, int K, int threads) {
+    const int tiles = (N + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint16_t *wn = w + (int64_t)n * K;
-        const float add = bias ? bias[n] : 0.0f;
-        float out[MR];
-        int m = 0;
-        for (; m + MR <= M; m += MR) {
-            dot_rows(x + (int64_t)m * ldx, ldx, wn, K, MR, out);
-            for (int r = 0; r < MR; r++) y[(int64_t)(m + r) * ldy + n] = out[r] + add;
-        }
-        for (; m < M; m++) {
-            dot_rows(x + (int64_t)m * ldx, ldx, wn, K, 1, out);
-            y[(int64_t)m * ldy + n] = out[0] + add;
+    for (int t = 0; t < tiles; t++) {
+        const int n_end = (t + 1) * TILE < N ? (t + 1) * TILE : N;
+        for (int m = 0; m < M; m += MB) {
+            const int R = M - m < MB ? M - m : MB;
+            for (int n = t * TILE; n < n_end; n += NB) {
+                const int C = n_end - n < NB ? n_end - n : NB;
+                any_block(x + (int64_t)m * ldx, ldx, w + (int64_t)n * K, K, bias ? bias + n : NULL,
+                          y + (int64_t)m * ldy + n, ldy, R, C);
+            }
         }
     }
 }
