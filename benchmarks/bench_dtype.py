@@ -6,7 +6,9 @@ Run:  .venv/bin/python benchmarks/bench_dtype.py [--prompt 256] [--new 32] [--th
 On a CPU with bf16 kernels (AVX-512 BF16, AMX) auto is bf16 and the two twospeed rows are the same engine. On one
 without (AVX2), auto computes in float32 and the bf16 row shows what serving the checkpoint's dtype costs there.
 Single stream on bench_engine's ~100M random Llama (written in bf16): TTFT of one prompt, decode tok/s from the
-request's own clock (1 / tpot), and the greedy tokens' agreement with HF's. Appends a section to BENCHMARKS.md.
+request's own clock (1 / tpot), and the greedy tokens' agreement with twospeed auto's; a row with int8 weights
+(`--quantization int8`: on AVX2 the same widening kernel over one byte a weight). Appends a section to
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from twospeed.model.compute_dtype import auto_dtype  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_twospeed(path: Path, dtype: str, prompt: list[int], n: int) -> dict:
-    llm = make_llm(path, dtype)
+def run_twospeed(path: Path, dtype: str, prompt: list[int], n: int, **options) -> dict:
+    llm = make_llm(path, dtype, **options)
     warm_llm(llm, random.Random(1))
     row = ts_single(llm, prompt, n)
     row["dtype"] = str(llm.engine.dtype).removeprefix("torch.")
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp)
         params = write_checkpoint(path, torch.bfloat16, seed=0)
         rows = {"twospeed auto": run_twospeed(path, "auto", prompt, args.new),
-                "twospeed bfloat16": run_twospeed(path, "bfloat16", prompt, args.new)}
+                "twospeed bfloat16": run_twospeed(path, "bfloat16", prompt, args.new),
+                "twospeed auto, int8 weights": run_twospeed(path, "auto", prompt, args.new, quantization="int8")}
         hf = load_hf(path, picked)
         hf_single(hf, prompt[:32], 2)  # warm-up
         rows[f"HF {str(picked).removeprefix('torch.')}"] = {**hf_single(hf, prompt, args.new),

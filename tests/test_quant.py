@@ -18,6 +18,7 @@ from twospeed import LLM, SamplingParams
 from twospeed.config import EngineConfig
 from twospeed.model import formats
 from twospeed.model.loader import CheckpointError, load_model
+from twospeed.model.packed_linear import WIDEN_MAX_ROWS, widen_kernel
 from twospeed.model.quant import FORMATS, Fp8Format, Int8Format, Q8Kernel, Q8Linear, q8_kernel
 from twospeed.model.weight_format import make_weight_format
 
@@ -101,6 +102,35 @@ def test_portable_path_matches_the_dequantized_reference(fmt, n, k):
     assert within_bound(lin(xb), xb, lin.dequantized(), lin.bias)
 
 
+needs_widen = pytest.mark.skipif(widen_kernel() is None, reason="no AVX2 widening kernel here")
+
+
+@needs_widen
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 37, WIDEN_MAX_ROWS, WIDEN_MAX_ROWS + 1])
+def test_int8_with_float32_activations_widens_within_float32_summation(n, k, rows):
+    """int8 on a CPU without bf16 kernels: csrc/linear_widen.c over the bytes, against the dequantized weight in
+    float64 (float32 summation's bound) and the portable path; a planted scale error is caught."""
+    fmt = make_weight_format("int8", "auto", "cpu", torch.float32)
+    assert fmt.use_widen and not fmt.use_kernel
+    lin = fmt.linear(k, n, True)
+    with torch.no_grad():
+        lin.load_weight(lin.weight, torch.randn(n, k))
+        lin.load_bias(lin.bias, torch.randn(n))
+    lin.finish_loading()
+    assert "AVX2 widening" in lin.describe() and lin.weight.dtype == torch.int8  # one byte a weight stays
+    x = torch.randn(rows, k)
+    exact = x.double() @ lin.dequantized().double().T + lin.bias.double()
+    sums = x.double().abs() @ lin.dequantized().double().abs().T + lin.bias.double().abs()
+
+    def within(y: torch.Tensor) -> bool:
+        return bool(((y.double() - exact).abs() <= sums * (k + 1) * 2.0 ** -24).all())
+
+    assert within(lin(x)) and within(lin.portable(x))
+    lin.scale[n // 2] *= 1.02
+    assert not within(lin(x))
+
+
 @needs_kernel
 def test_a_wrong_scale_is_caught():
     """Planted errors: the bound is not vacuous. One row's scale 2% off fails it; so does the test-only
@@ -126,6 +156,8 @@ def test_format_names_and_backends_are_checked():
         make_weight_format("int8", "onednn", "cpu", torch.bfloat16)
     assert not make_weight_format("int8", "torch", "cpu", torch.bfloat16).use_kernel
     assert not make_weight_format("fp8", "auto", "cpu", torch.float32).use_kernel  # fp32 activations: portable
+    assert not make_weight_format("fp8", "auto", "cpu", torch.float32).use_widen  # (the AVX2 kernel is int8 only)
+    assert not make_weight_format("int8", "torch", "cpu", torch.float32).use_widen
     assert set(formats.QUANTIZATIONS) == {"int8", "fp8"} and set(FORMATS) > set(formats.QUANTIZATIONS)
 
 

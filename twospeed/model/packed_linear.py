@@ -175,7 +175,8 @@ WIDEN_MAX_ROWS = 256
 @lru_cache(maxsize=1)
 def widen_kernel() -> ctypes.CDLL | None:
     """csrc/linear_widen.c, built on first use; None without a compiler or AVX2 + FMA."""
-    return load_library("linear_widen", {"linear_widen": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]})
+    return load_library("linear_widen", {"linear_widen": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I],
+                                         "linear_widen_i8": [_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I]})
 
 
 class WidenPacking:

@@ -15,6 +15,8 @@ Two implementations behind `Q8Linear.forward`, tested against each other and a f
 - `Q8Kernel` (CPU, bf16 activations): csrc/linear_q8.c. Decode-sized steps widen the bytes in registers
   (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a
   panel of weights to bf16 once per call in cache and run AMX tile dot products over every row (prefill).
+- int8 with float32 activations (a CPU without bf16 kernels, model/compute_dtype.py): csrc/linear_widen.c
+  widens the bytes in registers with AVX2 for steps up to `WIDEN_MAX_ROWS` rows, the portable path beyond.
 - the portable path (any device, any dtype): the same formula in float32 torch ops.
 
 Test-only formats (accepted by `quantization`, never listed to users): `test-int4-per-tensor` (4-bit values,
@@ -32,7 +34,7 @@ from torch import nn
 
 from twospeed.model import formats
 from twospeed.model.cbuild import load_library
-from twospeed.model.packed_linear import rows_2d
+from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_kernel
 from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat
 
 # Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. AMX time over
@@ -92,8 +94,9 @@ class Q8Format(WeightFormat):
     storage: torch.dtype = torch.int8
     kernel_code = 0  # csrc/linear_q8.c's FMT_INT8 / FMT_FP8
 
-    def __init__(self, use_kernel: bool):
-        self.use_kernel = use_kernel
+    def __init__(self, use_kernel: bool, use_widen: bool = False):
+        self.use_kernel = use_kernel  # bf16 activations: csrc/linear_q8.c (AVX-512 BF16)
+        self.use_widen = use_widen  # float32 activations, int8 values: csrc/linear_widen.c (AVX2)
 
     @classmethod
     def resolve(cls, backend: str, device: torch.device, dtype: torch.dtype,
@@ -101,10 +104,12 @@ class Q8Format(WeightFormat):
         if backend == "onednn":
             raise ValueError(f"quantization {cls.name!r} has no oneDNN path: linear_backend 'auto', 'cpu' or 'torch'")
         kernel = device.type == "cpu" and dtype == torch.bfloat16 and q8_kernel() is not None
-        if backend == "cpu" and not kernel:
-            raise ValueError(f"linear_backend 'cpu' with quantization {cls.name!r} needs a CPU device, bf16 "
-                             "activations, a C compiler and AVX-512 BF16")
-        return cls(use_kernel=kernel and backend != "torch")
+        widen = (device.type == "cpu" and dtype == torch.float32 and cls.storage == torch.int8
+                 and widen_kernel() is not None)
+        if backend == "cpu" and not (kernel or widen):
+            raise ValueError(f"linear_backend 'cpu' with quantization {cls.name!r} needs a CPU device, a C compiler "
+                             "and bf16 activations with AVX-512 BF16 (or int8 with float32 activations and AVX2)")
+        return cls(use_kernel=kernel and backend != "torch", use_widen=widen and backend != "torch")
 
     def linear(self, in_features: int, out_features: int, bias: bool,
                shard_sizes: list[int] | None = None) -> Q8Linear:
@@ -202,7 +207,24 @@ class Q8Linear(FormatLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel.forward(x, self.bias)
+        if self.fmt.use_widen and x.dtype == torch.float32:
+            return self.widened(x)
         return self.portable(x)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """csrc/linear_widen.c over the int8 bytes (float32 activations), up to WIDEN_MAX_ROWS rows."""
+        lead = x.shape[:-1]
+        x2 = rows_2d(x, self.in_features)
+        m = x2.shape[0]
+        if m > WIDEN_MAX_ROWS:
+            return self.portable(x)
+        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
+        if m:
+            widen_kernel().linear_widen_i8(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(), self.scale.data_ptr(),
+                                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                           self.out_features, m, self.out_features, self.in_features,
+                                           torch.get_num_threads())
+        return y.view(*lead, self.out_features)
 
     def portable(self, x: torch.Tensor) -> torch.Tensor:
         """(x . q^T) * scale + bias in float32, one rounding to x's dtype: the reference the kernels match."""
@@ -220,5 +242,6 @@ class Q8Linear(FormatLinear):
         return formats.weight_format(self.fmt.name).linear(self.out_features, self.in_features, 1) + self.bias_bytes()
 
     def describe(self) -> str:
-        path = "portable" if self.kernel is None else ("C kernel + AMX" if self.kernel.amx else "C kernel")
+        path = ("C kernel + AMX" if self.kernel.amx else "C kernel") if self.kernel is not None else (
+            "AVX2 widening" if self.fmt.use_widen else "portable")
         return f"format={self.fmt.name}, {path}"

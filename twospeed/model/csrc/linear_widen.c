@@ -13,7 +13,10 @@
  * steps are a tuned GEMM's job: past WIDEN_MAX_ROWS the caller widens the weight for the BLAS
  * (model/packed_linear.py).
  *
- * x [M, K] float32 (row stride ldx), w [N, K] bf16 row-major, bias [N] float32 or NULL, y [M, N] (row stride ldy).
+ * The same blocks serve int8 weights (model/quant.py's format: one byte a weight, a float32 scale per row,
+ * y = scale[n] * (x . q[n]) + bias[n]; an int8 is exact in float32): a quarter of float32's bytes.
+ *
+ * x [M, K] float32 (row stride ldx), w [N, K] row-major, bias [N] float32 or NULL, y [M, N] (row stride ldy).
  */
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "twospeed-unsupported: needs AVX2 and FMA (avx2, fma)"
@@ -28,8 +31,19 @@
 #define TILE 48 /* weight rows a thread takes at a time (a multiple of NB): its bf16 rows stay in L2 while every
                    block of activation rows sweeps them, so W is read from memory once per call */
 
-static inline __m256 widen8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#define FMT_BF16 0
+#define FMT_INT8 1  /* one byte a weight and a float32 scale per weight row (model/quant.py's int8) */
+
+static inline __m256 widen8(const void *w, int64_t at, int fmt) {
+    if (fmt == FMT_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + at))));
+}
+
+static inline float widen1(const void *w, int64_t at, int fmt) {
+    return fmt == FMT_BF16 ? bf16_to_f32(((const uint16_t *)w)[at]) : (float)((const int8_t *)w)[at];
 }
 
 static inline float hsum(__m256 v) {
@@ -39,16 +53,18 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[r][c] = sum_k x[r][k] w[c][k] + bias[c] for r < R, c < C (constants where inlined: R <= MB, C <= NB). */
-static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const uint16_t *w, int K,
-                                                        const float *bias, float *y, int64_t ldy, int R, int C) {
+/* y[r][c] = scale[c] * sum_k x[r][k] w[c][k] + bias[c] for r < R, c < C (constants where inlined: R <= MB,
+   C <= NB; fmt too). w points at weight row 0 of the block; scale and bias at its first row, or NULL. */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const void *w, int K,
+                                                        const float *scale, const float *bias, float *y,
+                                                        int64_t ldy, int R, int C, int fmt) {
     __m256 acc[MB][NB];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[NB];
-        for (int c = 0; c < C; c++) wv[c] = widen8(w + (int64_t)c * K + k);
+        for (int c = 0; c < C; c++) wv[c] = widen8(w, (int64_t)c * K + k, fmt);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -57,26 +73,33 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * bf16_to_f32(w[(int64_t)c * K + kk]);
-            y[r * ldy + c] = s + (bias ? bias[c] : 0.0f);
+            for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * widen1(w, (int64_t)c * K + kk, fmt);
+            y[r * ldy + c] = (scale ? s * scale[c] : s) + (bias ? bias[c] : 0.0f);
         }
 }
 
-/* One instantiation per (R, C) shape, so every loop above unrolls over registers. */
-#define BLOCK(R, C) block(x, ldx, w, K, bias, y, ldy, R, C)
-static void any_block(const float *x, int64_t ldx, const uint16_t *w, int K, const float *bias, float *y, int64_t ldy,
-                      int R, int C) {
-    switch (R * 4 + C) {
-        case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;  case 4 * 4 + 1: BLOCK(4, 1); break;
-        case 3 * 4 + 3: BLOCK(3, 3); break;  case 3 * 4 + 2: BLOCK(3, 2); break;  case 3 * 4 + 1: BLOCK(3, 1); break;
-        case 2 * 4 + 3: BLOCK(2, 3); break;  case 2 * 4 + 2: BLOCK(2, 2); break;  case 2 * 4 + 1: BLOCK(2, 1); break;
-        case 1 * 4 + 3: BLOCK(1, 3); break;  case 1 * 4 + 2: BLOCK(1, 2); break;  default: BLOCK(1, 1); break;
+/* One instantiation per (R, C, format), so every loop above unrolls over registers. */
+#define BLOCK(R, C) block(x, ldx, w, K, scale, bias, y, ldy, R, C, FMT)
+#define DISPATCH(name, FMT_VALUE)                                                                                 \
+    static void name(const float *x, int64_t ldx, const void *w, int K, const float *scale, const float *bias,  \
+                     float *y, int64_t ldy, int R, int C) {                                                     \
+        enum { FMT = FMT_VALUE };                                                                               \
+        switch (R * 4 + C) {                                                                                    \
+            case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;                            \
+            case 4 * 4 + 1: BLOCK(4, 1); break;  case 3 * 4 + 3: BLOCK(3, 3); break;                            \
+            case 3 * 4 + 2: BLOCK(3, 2); break;  case 3 * 4 + 1: BLOCK(3, 1); break;                            \
+            case 2 * 4 + 3: BLOCK(2, 3); break;  case 2 * 4 + 2: BLOCK(2, 2); break;                            \
+            case 2 * 4 + 1: BLOCK(2, 1); break;  case 1 * 4 + 3: BLOCK(1, 3); break;                            \
+            case 1 * 4 + 2: BLOCK(1, 2); break;  default: BLOCK(1, 1); break;                                   \
+        }                                                                                                       \
     }
-}
+DISPATCH(block_bf16, FMT_BF16)
+DISPATCH(block_int8, FMT_INT8)
 
-void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-                  int M, int N, int K, int threads) {
+static void linear(const float *x, int64_t ldx, const void *w, int fmt, const float *scale, const float *bias,
+                   float *y, int64_t ldy, int M, int N, int K, int threads) {
     const int tiles = (N + TILE - 1) / TILE;
+    const int64_t row_bytes = (int64_t)K * (fmt == FMT_BF16 ? 2 : 1);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int n_end = (t + 1) * TILE < N ? (t + 1) * TILE : N;
@@ -84,9 +107,24 @@ void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *b
             const int R = M - m < MB ? M - m : MB;
             for (int n = t * TILE; n < n_end; n += NB) {
                 const int C = n_end - n < NB ? n_end - n : NB;
-                any_block(x + (int64_t)m * ldx, ldx, w + (int64_t)n * K, K, bias ? bias + n : NULL,
-                          y + (int64_t)m * ldy + n, ldy, R, C);
+                const void *wn = (const char *)w + n * row_bytes;
+                const float *sn = scale ? scale + n : NULL, *bn = bias ? bias + n : NULL;
+                float *yn = y + (int64_t)m * ldy + n;
+                if (fmt == FMT_BF16) block_bf16(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C);
+                else block_int8(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C);
             }
         }
     }
+}
+
+/* bf16 weights w [N, K] */
+void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                  int M, int N, int K, int threads) {
+    linear(x, ldx, w, FMT_BF16, NULL, bias, y, ldy, M, N, K, threads);
+}
+
+/* int8 weights w [N, K] with a float32 scale per row: y = scale[n] * (x . w[n]) + bias[n] */
+void linear_widen_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias, float *y,
+                     int64_t ldy, int M, int N, int K, int threads) {
+    linear(x, ldx, w, FMT_INT8, scale, bias, y, ldy, M, N, K, threads);
 }
