@@ -179,6 +179,25 @@ def widen_kernel() -> ctypes.CDLL | None:
                                          "linear_widen_i8": [_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I]})
 
 
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/linear_widen.c: float32 x [..., K] times weight [N, K], bf16 (scale None) or int8 with a float32
+    scale per row; any row count (callers send more than WIDEN_MAX_ROWS to the BLAS instead)."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = rows_2d(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        lib, b, threads = widen_kernel(), None if bias is None else bias.data_ptr(), torch.get_num_threads()
+        if scale is None:
+            lib.linear_widen(x2.data_ptr(), x2.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, n, k, threads)
+        else:
+            lib.linear_widen_i8(x2.data_ptr(), x2.stride(0), weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
+                                m, n, k, threads)
+    return y.view(*lead, n)
+
+
 class WidenPacking:
     """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read from
     memory once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
@@ -191,17 +210,9 @@ class WidenPacking:
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = rows_2d(x, self.in_features)
-        m = x2.shape[0]
-        if m > WIDEN_MAX_ROWS:
+        if x.numel() > WIDEN_MAX_ROWS * self.in_features:
             return F.linear(x, self.weight.to(x.dtype), bias)
-        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
-        if m:
-            widen_kernel().linear_widen(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(),
-                                        None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
-                                        m, self.out_features, self.in_features, torch.get_num_threads())
-        return y.view(*lead, self.out_features)
+        return widened_linear(x, self.weight, None, bias)
 
 
 PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, WidenPacking, PlainWeight)}

@@ -34,7 +34,7 @@ from torch import nn
 
 from twospeed.model import formats
 from twospeed.model.cbuild import load_library
-from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_kernel
+from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_kernel, widened_linear
 from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat
 
 # Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. AMX time over
@@ -213,18 +213,9 @@ class Q8Linear(FormatLinear):
 
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """csrc/linear_widen.c over the int8 bytes (float32 activations), up to WIDEN_MAX_ROWS rows."""
-        lead = x.shape[:-1]
-        x2 = rows_2d(x, self.in_features)
-        m = x2.shape[0]
-        if m > WIDEN_MAX_ROWS:
+        if x.numel() > WIDEN_MAX_ROWS * self.in_features:
             return self.portable(x)
-        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
-        if m:
-            widen_kernel().linear_widen_i8(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(), self.scale.data_ptr(),
-                                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                                           self.out_features, m, self.out_features, self.in_features,
-                                           torch.get_num_threads())
-        return y.view(*lead, self.out_features)
+        return widened_linear(x, self.weight, self.scale, self.bias)
 
     def portable(self, x: torch.Tensor) -> torch.Tensor:
         """(x . q^T) * scale + bias in float32, one rounding to x's dtype: the reference the kernels match."""
