@@ -91,10 +91,23 @@ def build_probe_set(cfg: GateConfig, bench: BenchConfig, doc: dict) -> list[prob
     return probes.build(plan, answers, counter, cfg.probes_per_lane)
 
 
+def warm_up(url: str, model: str) -> None:
+    """One short request before the timed run, so neither side's latencies carry a fresh server's first-use costs
+    (lazy initialisation, first-shape kernels): the baseline ran first and paid them alone, and once made a 4-5x
+    slower candidate read as noise. A failure here is left for the timed run to report."""
+    import httpx
+
+    try:
+        httpx.post(f"{url}/completions", json={"model": model, "prompt": "warm up", "max_tokens": 4}, timeout=60)
+    except httpx.HTTPError:
+        pass
+
+
 def run_side(cfg: GateConfig, label: str, flags: list[str], tokenizer: str, probe_set: list | None, console) -> Side:
     """Serve one configuration, replay the workload, then ask it the probe set (the baseline makes the set)."""
     console.print(f"[bold]{label}[/bold]: `twospeed serve --model {cfg.model} {shlex.join(flags)}`")
     with LocalServer(cfg.model, flags, ready_timeout=cfg.ready_timeout) as server:
+        warm_up(server.url, cfg.model)
         bench = bench_config(cfg, server.url, label, tokenizer)
         doc = run_bench(bench, console)
         if probe_set is None:
