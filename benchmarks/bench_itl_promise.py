@@ -13,7 +13,9 @@ KV) plus:
   fixed-2048   --target-step-ms 0: every step fills the 2048-token budget (the engine before time-sized steps)
   fixed-256    --max-num-batched-tokens 256 --target-step-ms 0: a small fixed budget
   time-50      the defaults: beside decodes, a step's predicted time stays within 50 ms (stretched to twice the
-               decodes' own time where they alone take more than half of it: min_prompt_share 0.5)
+               decodes' own time where they alone take more than half of it: min_prompt_share 0.5); a waiting
+               prompt that fits a step whole goes before a long one being chunked
+  time-50-fcfs  the defaults with --short-prompts-first false: prompts admitted strictly in arrival order
   time-50-fixed-threads  the defaults with --adapt-threads false: the engine keeps its threads (no governor)
   time-50-thread  the defaults with --no-engine-process: the engine in a thread of the server's process, sharing
                its GIL with the HTTP side (how twospeed served before the engine got a process of its own)
@@ -83,6 +85,7 @@ VARIANTS = {
     "fixed-2048": ["--target-step-ms", "0"],
     "fixed-256": ["--max-num-batched-tokens", "256", "--target-step-ms", "0"],
     "time-50": [],
+    "time-50-fcfs": ["--short-prompts-first", "false"],  # the defaults, prompts admitted strictly in arrival order
     "time-50-fixed-threads": ["--adapt-threads", "false"],  # the defaults without the thread governor
     "time-50-thread": ["--no-engine-process"],  # the defaults with the engine in a thread of the server's process
     "time-50-strict": ["--min-prompt-share", "0"],

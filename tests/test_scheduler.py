@@ -204,7 +204,7 @@ def test_scheduler_config_rejects_limits_below_one(field):
 
 
 def test_token_budget_and_chunked_prefill():
-    sim = Sim(32, 4, max_num_batched_tokens=8)
+    sim = Sim(32, 4, max_num_batched_tokens=8, short_prompts_first=False)  # in arrival order
     a = sim.add("a", list(range(10, 20)), 3)
     b = sim.add("b", [7, 8, 9], 2)
 
@@ -254,7 +254,7 @@ def test_running_decodes_go_before_new_prefills():
 
 
 def test_prefill_cap_beside_decodes():
-    sim = Sim(64, 4, max_num_batched_tokens=16, max_prefill_tokens_while_decoding=5)
+    sim = Sim(64, 4, max_num_batched_tokens=16, max_prefill_tokens_while_decoding=5, short_prompts_first=False)
     sim.add("long", list(range(30, 70)), 2)  # 40 tokens
     assert chunks(sim.step()) == [("long", 0, 16)]  # nothing decodes yet: the whole budget
     sim.add("chat", [5, 6, 7], 6)
@@ -302,6 +302,62 @@ def test_one_block_goes_in_where_none_fits():
     assert chunks(out) == [("chat", 3, 1), ("long", 0, 4)] and out.predicted_time == pytest.approx(0.006)
     assert chunks(sim.step()) == [("chat", 4, 1), ("long", 4, 4)]
     assert ids(sim.sched.waiting) == ["short"]  # the one block per step went to the prompt ahead of it
+
+
+def chunking_long_prompt(**cfg) -> Sim:
+    """A stream decoding beside a 40-token prompt being chunked under a 10 ms target (FakeCost: 1 ms a step and a
+    token): after two steps the stream is at position 4 and the prompt at 8."""
+    sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=10, **cfg)
+    sim.add("chat", [5, 6, 7], 20)
+    sim.step()
+    sim.add("long", list(range(30, 70)), 2)
+    assert chunks(sim.step()) == [("chat", 3, 1), ("long", 0, 8)]
+    return sim
+
+
+def test_a_short_prompt_goes_before_a_long_one_being_chunked():
+    """A 3-token prompt arriving while a 40-token one is chunked goes in whole, in the step it arrives; the long
+    one keeps a block of that step and the step stays within its target. In arrival order it would wait the long
+    prompt's whole prefill (four more steps here, a second or two of 50 ms steps for a 2k-token RAG prompt)."""
+    sim = chunking_long_prompt()
+    short = sim.add("short", [8, 9, 10], 2)
+    out = sim.step()
+    assert chunks(out) == [("chat", 4, 1), ("long", 8, 4), ("short", 0, 3)]
+    assert out.predicted_time == pytest.approx(0.009) and out.target_time == 0.010  # a second block: 13 ms
+    assert short.clock.prefill_done is not None and len(short.output_token_ids) == 1
+    fcfs = chunking_long_prompt(short_prompts_first=False)
+    late = fcfs.add("short", [8, 9, 10], 2)
+    assert chunks(fcfs.step()) == [("chat", 4, 1), ("long", 8, 8)]
+    steps = 1
+    while late.clock.prefill_done is None:
+        fcfs.step()
+        steps += 1
+    assert steps == 5  # the long prompt's 32 tokens went first, 8 a step; then the short one
+    sim.run()
+    assert short.output_token_ids == expected_output(short.prompt_token_ids, 2)
+
+
+def test_short_prompts_cannot_starve_a_long_one():
+    """A new short prompt every step, each of which would fit the step: the long prompt still advances a block a
+    step and finishes its prefill."""
+    sim = chunking_long_prompt()
+    long = sim.reqs["long"]
+    for i in range(12):
+        before = long.num_computed_tokens
+        sim.add(f"s{i}", [8, 9, 10 + i % 3], 1)
+        out = sim.step()
+        assert long.num_computed_tokens >= min(before + 4, long.num_prompt_tokens), chunks(out)
+        assert out.predicted_time <= out.target_time * (1 + 1e-9)
+    assert long.clock.prefill_done is not None
+    sim.run()
+
+
+def test_a_short_prompt_overtakes_only_its_priority_or_lower():
+    sim = chunking_long_prompt(scheduling_policy="priority")
+    sim.add("low", [8, 9, 10], 2, priority=1)  # lower priority than the long prompt (0): waits
+    assert chunks(sim.step()) == [("chat", 4, 1), ("long", 8, 8)]
+    sim.add("same", [11, 12, 13], 2, priority=0)  # arrived later but as urgent as the long prompt: goes first
+    assert chunks(sim.step()) == [("chat", 5, 1), ("long", 16, 4), ("same", 0, 3)]
 
 
 def test_prompts_keep_a_share_where_decodes_alone_take_the_target_up():
@@ -677,7 +733,8 @@ TRACES = [
          'max_num_batched_tokens': 8,
          'max_num_seqs': 5,
          'max_prefill_tokens_while_decoding': 1,
-         'num_blocks': 7},
+         'num_blocks': 7,
+         'short_prompts_first': False},
         [('add', [4, 3, 4, 4, 4, 3, 3], 7, 2), ('add', [9, 9, 8], 6, 0),
          ('add', [3, 7, 5, 6, 9, 7, 6, 5, 3, 9, 3], 5, 3), ('add', [6], 2, 0)],
         [([('r0', 0, 7), ('r1', 0, 1)], []), ([('r0', 7, 1), ('r1', 1, 1)], []), ([('r0', 8, 1), ('r1', 2, 1)], []),
@@ -693,7 +750,8 @@ TRACES = [
          'max_num_batched_tokens': 4,
          'max_num_seqs': 4,
          'max_prefill_tokens_while_decoding': 3,
-         'num_blocks': 9},
+         'num_blocks': 9,
+         'short_prompts_first': False},
         [('add', [3, 4, 4, 3, 3, 4, 3, 3, 4, 3, 4], 6, 3), ('add', [9], 3, 0), ('add', [3, 4], 5, 3),
          ('add', [8, 3, 9, 6, 4, 3, 5, 9, 5, 8], 6, 0), ('step',), ('step',)],
         [([('r0', 0, 4)], []), ([('r0', 4, 4)], []), ([('r0', 8, 3), ('r1', 0, 1)], []),
@@ -826,9 +884,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         cost=st.one_of(st.none(), st.tuples(*(st.floats(0, hi) for hi in (5, 2, 0.05, 2, 0.1, 1)))),
         drafts=st.one_of(st.none(), st.integers(0, 2**16)),  # speculation's random drafts (and accept counts)
         gamma=st.integers(1, 4),
+        short_first=st.booleans(),
     )
     def setup(self, block_size, num_blocks, budget, max_num_seqs, chunked, policy, caching, bases, cap, target_ms,
-              share, prompt_share, cost, drafts, gamma):
+              share, prompt_share, cost, drafts, gamma, short_first):
         max_len = min(num_blocks * block_size, 40)  # LLMEngine clips max_model_len to the pool
         if not chunked:
             budget = max(budget, max_len)  # as LLMEngine does
@@ -838,7 +897,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                        max_num_batched_tokens=budget,
                        max_num_seqs=max_num_seqs, max_model_len=max_len, enable_chunked_prefill=chunked,
                        scheduling_policy=policy, max_prefill_tokens_while_decoding=cap, target_step_ms=target_ms,
-                       itl_objective_share=share, min_prompt_share=prompt_share)
+                       itl_objective_share=share, min_prompt_share=prompt_share, short_prompts_first=short_first)
         self.max_len = max_len
         self.bases = bases
         self.n = 0

@@ -130,6 +130,10 @@ class SchedulerConfig:
     # machine): the step may then take (decodes' predicted time) / (1 - share), so prompts still advance at a
     # fair rate and their TTFT does not explode under load. 0: the target strictly (then one block a step).
     min_prompt_share: float = 0.5
+    # A waiting prompt whose whole (uncached) rest fits a step goes before a long prompt being chunked and before
+    # earlier long ones waiting (of its priority or lower): its TTFT is a step, not the long prompt's whole prefill.
+    # False: strictly in policy order, as vLLM and SGLang admit.
+    short_prompts_first: bool = True
     max_num_seqs: int = 64  # requests running at once
     max_model_len: int | None = None  # tokens (prompt + output) one request may hold; None = the model's limit
     enable_chunked_prefill: bool = True  # split long prompts so decodes keep flowing
