@@ -249,6 +249,33 @@ def test_structured_output_needs_a_tokenizer():
     assert not bare.engine.has_unfinished_requests()
 
 
+def test_a_server_builds_its_grammar_compilers_before_it_is_ready():
+    """warm_grammars builds the compiler where there is a tokenizer (and is a no-op where there is none); a
+    server's start does it for the engine it serves, so no request pays for llguidance's tokenizer."""
+    import asyncio
+    import gc
+
+    from twospeed.engine.structured import warm_grammars
+    from twospeed.server.app import ServerConfig, build_app
+
+    bare = LLM("demo", skip_tokenizer_init=True, num_gpu_blocks=8).engine
+    warm_grammars(bare)
+    assert bare._grammars is None
+    engine = LLM("demo", num_gpu_blocks=8).engine
+    assert engine._grammars is None  # built on first use, in an engine of its own
+    app = build_app(engine.config, ServerConfig(), engine=engine)
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            return engine._grammars
+
+    try:
+        built = asyncio.run(main())
+    finally:
+        gc.unfreeze()  # the server froze this test process's heap at startup
+    assert built is not None and built.misses == 0
+
+
 def test_grammar_state_replays_tokens_into_a_fresh_matcher(llm):
     grammars = llm.engine.grammars
     spec = StructuredOutput(json=NESTED)

@@ -39,6 +39,11 @@ UNITS = ("s", "s/token", "s/pair", "s/token", "s/context token", "s/row")
 # Feature scales for the fit (a typical step has each scaled feature near 1), so the regulariser weighs alike.
 _SCALES = (1.0, 1e3, 1e6, 1e2, 1e5, 1e2)
 _N = len(FEATURES)
+# Observations after which a step far off the prediction is learnt as if 1.5x off: the start-up probe's six steps
+# (engine/cost_probe.py). It was 20: a server's first real steps were learnt whole, and one 470 ms decode step (a
+# core taken by the API process) set the constant to 65 ms and the prompt-token cost to 0, so the next step put a
+# 2,047-token prompt beside a stream as a 65 ms step; it took 744 ms.
+SETTLED = 6
 
 
 @dataclass(slots=True)
@@ -159,10 +164,10 @@ class LinearCostModel:
         self.num_observed += 1
         if not self.online:
             return
-        # Once the fit has settled, a step far off the prediction (another tenant took the core, a page-fault storm)
+        # Once the fit has settled (the start-up probe's steps are enough), a step far off the prediction (another tenant took the core, a page-fault storm)
         # is learnt as if it had been only 1.5x off: one outlier moves the fit like one ordinary step, while a
         # machine that really got slower still pulls the fit its way, step after step.
-        if self.num_observed > 20 and predicted > 0:
+        if self.num_observed > SETTLED and predicted > 0:
             seconds = min(max(seconds, predicted / 1.5), 1.5 * predicted)
         self._accumulate(shape, seconds)
         self._fit()

@@ -162,7 +162,10 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
     try:
         from twospeed.engine.engine import LLMEngine
 
+        from twospeed.engine.structured import warm_grammars
+
         engine = LLMEngine(config)
+        warm_grammars(engine)
     except BaseException as e:
         results.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return

@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from twospeed.config import EngineConfig
+from twospeed.engine.structured import warm_grammars
 from twospeed.server.async_engine import AsyncEngine, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.server.engine_client import EngineClient
@@ -68,6 +69,7 @@ class ServerState:
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
+        await asyncio.to_thread(warm_grammars, self.engine)  # not on the first structured request (structured.py)
         self.memory = self.engine.memory()  # weight and KV formats, the pool in its format's bytes
         self.kv_bytes_per_block = self.memory.block_bytes
         self.metrics.set_pool(self.engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
