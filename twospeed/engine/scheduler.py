@@ -350,7 +350,7 @@ class Scheduler:
         self.kv.cache_full_blocks(req.request_id, req.all_token_ids, end)
 
 
-# Waiting requests looked at each step for a prompt short enough to go first (Scheduler._admit_short): each look
+# Waiting requests looked at each step for a prompt short enough to go first (Scheduler._short_prompts): each look
 # hashes the prompt's cached blocks, so the scan is bounded.
 SHORT_PROMPT_SCAN = 16
 
