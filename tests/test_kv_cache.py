@@ -74,6 +74,25 @@ def test_allocation_ids_and_growth():
     assert m.block_ids("nobody") == []
 
 
+def test_a_hash_memo_finds_the_same_blocks_and_holds_the_chain():
+    """Request.block_hashes: a lookup with the memo finds what one without finds, records the chain's hashes up to
+    the first miss, and a later lookup (more blocks cached meanwhile) reuses them and goes on."""
+    m = make()
+    admit(m, "a", A[:8] + [1])
+    tokens = A + [9]  # blocks 0-1 cached, block 2 not yet
+    memo: list[bytes] = []
+    assert m.find_cached_prefix(tokens, memo) == m.find_cached_prefix(tokens) and len(memo) == 3
+    chain = [hash_block_tokens(None, A[:4])]
+    for i in (1, 2):
+        chain.append(hash_block_tokens(chain[-1], A[4 * i:4 * i + 4]))
+    assert memo == chain
+    admit(m, "b", A + [2])  # now block 2 is cached too
+    memo[0] = b"stale"  # the memo is trusted: a lookup reads it rather than hashing block 0 again
+    assert [b.block_id for b in m.find_cached_prefix(tokens, memo)] == []
+    memo[0] = chain[0]
+    assert len(m.find_cached_prefix(tokens, memo)) == 3 and memo == chain
+
+
 def test_prefix_hit_shares_blocks_and_counts_tokens():
     m = make()
     assert admit(m, "a", A[:10]) == []

@@ -183,19 +183,25 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
+    def find_cached_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[KVBlock]:
         """Longest chain of cached full blocks matching the start of token_ids.
 
         Stops one token short: at most (len - 1) // block_size blocks, so the last
         prompt token is always computed (its logits are sampled). Takes no references.
+        hashes: the chain's hashes of these tokens found so far (Request.block_hashes), reused and extended.
         """
         if not self.enable_caching:
             return []
         bs = self.block_size
         found: list[KVBlock] = []
         parent = None
+        memo = hashes if hashes is not None else []
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if i < len(memo):
+                parent = memo[i]
+            else:
+                parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+                memo.append(parent)
             block = self.pool.get_cached_block(parent)
             if block is None:
                 break

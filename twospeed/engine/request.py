@@ -245,6 +245,9 @@ class Request:
         # Speculation: draft tokens for this step's verify rows, held beside the accepted tokens (never in
         # all_token_ids, never hashed into the prefix cache) until the sampler has checked them.
         self.spec_token_ids: list[int] = []
+        # The prefix-cache hash of each full block of all_token_ids found so far (KVCacheManager.find_cached_prefix
+        # extends it): a full block's tokens never change, so a request waiting for several steps hashes them once.
+        self.block_hashes: list[bytes] = []
         self.spec = SpecTrace()
         self.spec_state = None  # spec_policy.SpecState while speculation is enabled for it
 

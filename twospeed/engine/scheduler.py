@@ -196,7 +196,7 @@ class Scheduler:
         # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
         out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
         for req, n in short:  # their share was held above; none is admitted in a step that preempted
-            cached = self.kv.find_cached_prefix(req.all_token_ids)
+            cached = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
             num_cached = len(cached) * self.kv.block_size
             if (out.preempted or num_cached + n != req.num_tokens
                     or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached)):
@@ -207,7 +207,7 @@ class Scheduler:
         while (self.waiting and share.room(budget) > 0 and len(self.running) < self.cfg.max_num_seqs
                and not out.preempted):
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req.all_token_ids)
+            cached = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
             if not self.cfg.enable_chunked_prefill and n > share.room(budget):
@@ -242,7 +242,7 @@ class Scheduler:
             if (req.num_preemptions or share.room(budget) <= 0
                     or len(self.running) + len(picked) >= self.cfg.max_num_seqs):
                 break
-            num_cached = len(self.kv.find_cached_prefix(req.all_token_ids)) * bs
+            num_cached = len(self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)) * bs
             n = req.num_tokens - num_cached
             if rank(req) <= overtaken and -(-n // bs) <= free and share.whole(req, num_cached, budget):
                 picked.append((req, n))
