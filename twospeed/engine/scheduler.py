@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from twospeed.config import SchedulerConfig
 from twospeed.engine.cost_model import StepCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.prompt_share import PromptShare
 from twospeed.engine.request import Request, RequestStatus
 
 
@@ -353,96 +354,6 @@ class Scheduler:
 # Waiting requests looked at each step for a prompt short enough to go first (Scheduler._short_prompts): each look
 # hashes the prompt's cached blocks, so the scan is bounded.
 SHORT_PROMPT_SCAN = 16
-
-
-class PromptShare:
-    """How many prompt tokens the rest of a step may take: the token budget; beside decodes, the cap and the step
-    target (the step's predicted time within it; a chunk cut by it ends on a block boundary; a first chunk that
-    cannot fit even one block gets one block)."""
-
-    def __init__(self, sched: Scheduler, decodes: list[ScheduledChunk], budget: int):
-        cfg = sched.cfg
-        self.sched = sched
-        self.block_size = sched.kv.block_size
-        self.cap = cfg.max_prefill_tokens_while_decoding if cfg.enable_chunked_prefill else None
-        self.decoding = [c.request for c in decodes]
-        self.decode_shape = self.shape = StepShape.from_chunks(decodes)
-        self.target = self._effective(sched.step_target(self.decoding))
-        self.prefill_tokens = 0  # placed this step
-        self.time_bound = False  # the target cut or refused a chunk
-        self.allowance = self.room(budget)
-
-    def room(self, budget: int) -> int:
-        """Tokens the budget and the cap leave for prompt chunks."""
-        if self.cap is not None and self.decoding:
-            return min(budget, self.cap - self.prefill_tokens)
-        return budget
-
-    def whole(self, req: Request, start: int, budget: int) -> bool:
-        """req's tokens from position start all fit this step: within the budget, the cap and the target."""
-        n = req.num_tokens - start
-        return 0 < n <= self.room(budget) and (self.target is None or self._within(start, n, False, req, self.target))
-
-    def fit(self, req: Request, start: int, budget: int, resumes: bool = False) -> int:
-        """Tokens of req from position start this step can take (0: none). resumes: its chunk is a decode (a
-        preempted stream whose KV is all in the prefix cache again)."""
-        n = min(req.num_tokens - start, self.room(budget))
-        if resumes:  # joins only within the cap and the target (its own too): it is a stream again
-            if self.cap is not None and self.prefill_tokens > self.cap:
-                return 0
-            own = self._effective(self.sched.step_target([req]))
-            target = min((t for t in (self.target, own) if t is not None), default=None)
-            if self.prefill_tokens and target is not None and not self._within(start, n, True, req, target):
-                self.time_bound = True
-                return 0
-            return n
-        if n <= 0 or self.target is None or self._within(start, n, False, req, self.target):
-            return max(n, 0)
-        self.time_bound = True
-        bs = self.block_size
-        ends = range((start // bs + 1) * bs, start + n, bs)  # block boundaries inside the chunk
-        lo, hi = 0, len(ends)  # the last end that fits is ends[lo - 1] (none when lo == 0)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._within(start, ends[mid] - start, False, req, self.target):
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo:
-            return ends[lo - 1] - start
-        return (ends[0] - start if ends else n) if not self.prefill_tokens else 0  # one block, if the first
-
-    def _effective(self, target: float | None) -> float | None:
-        """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it."""
-        share = self.sched.cfg.min_prompt_share
-        if target is None or not share:
-            return target
-        return max(target, self.sched.cost_model.predict(self.decode_shape) / (1 - share))
-
-    def _within(self, start: int, n: int, is_decode: bool, req: Request, target: float) -> bool:
-        """The step with this chunk added is predicted within target (a part in 1e9 spared for float rounding)."""
-        shape = self.shape.with_chunk(start, n, is_decode, start + n == req.num_tokens)
-        return self.sched.cost_model.predict(shape) <= target * (1 + 1e-9)
-
-    def add(self, chunk: ScheduledChunk) -> None:
-        """A chunk was placed."""
-        self.shape = self.shape.with_chunk(chunk.start, chunk.num_tokens, chunk.is_decode, chunk.samples,
-                                           chunk.num_draft)
-        if not chunk.is_decode:
-            self.prefill_tokens += chunk.num_tokens
-        elif chunk.request not in self.decoding:  # a stream resumed: the step now carries a decode
-            self.decoding.append(chunk.request)
-            self.decode_shape = self.decode_shape.with_chunk(chunk.start, chunk.num_tokens, True, chunk.samples,
-                                                             chunk.num_draft)
-            self.target = self._effective(self.sched.step_target(self.decoding))
-
-    def report(self, out: SchedulerOutput) -> None:
-        out.shape = StepShape.from_chunks(out.chunks)
-        out.target_time = self.target
-        model = self.sched.cost_model
-        out.predicted_time = model.predict(out.shape) if model is not None else None
-        out.prefill_budget = self.prefill_tokens if self.time_bound else self.allowance
-        out.time_bound = self.time_bound
 
 
 def in_decode(req: Request) -> bool:
