@@ -30,8 +30,8 @@ run hits another's cache; --scale 0.3 puts the rag prompts at 1.2-2.4k tokens), 
 TTFT p50/p99, ITL p50/p99/max per token and per chunk, output tok/s, and for twospeed the cost model's
 prediction error over the run's steps (from /metrics, scraped before and after: the share of steps predicted
 within 10% and the interpolated p50/p99) and its step-time histogram's mixed steps. Then the issue's targets
-are checked at the lowest rate where fixed 2048 stalls chat by > 1 s (else the middle one) and at twice it. Nothing is written
-to BENCHMARKS.md; paste the report.
+are checked at the lowest rate where fixed 2048 stalls chat by > 1 s (else the middle one) and at twice it.
+Nothing is written to BENCHMARKS.md; paste the report.
 """
 
 from __future__ import annotations

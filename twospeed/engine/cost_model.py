@@ -164,9 +164,9 @@ class LinearCostModel:
         self.num_observed += 1
         if not self.online:
             return
-        # Once the fit has settled (the start-up probe's steps are enough), a step far off the prediction (another tenant took the core, a page-fault storm)
-        # is learnt as if it had been only 1.5x off: one outlier moves the fit like one ordinary step, while a
-        # machine that really got slower still pulls the fit its way, step after step.
+        # Once the fit has settled (the start-up probe's steps are enough), a step far off the prediction (another
+        # tenant took the core, a page-fault storm) is learnt as if it had been only 1.5x off: one outlier moves the
+        # fit like one ordinary step, while a machine that really got slower still pulls the fit its way.
         if self.num_observed > SETTLED and predicted > 0:
             seconds = min(max(seconds, predicted / 1.5), 1.5 * predicted)
         self._accumulate(shape, seconds)

@@ -245,10 +245,11 @@ class Scheduler:
                 break
             num_cached = len(self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)) * bs
             n = req.num_tokens - num_cached
-            if rank(req) <= overtaken and -(-n // bs) <= free and share.whole(req, num_cached, budget):
+            blocks = -(-n // bs)
+            if rank(req) <= overtaken and blocks <= free and share.whole(req, num_cached, budget):
                 picked.append((req, n))
                 share.add(ScheduledChunk(req, num_cached, n))
-                budget, free = budget - n, free - -(-n // bs)
+                budget, free = budget - n, free - blocks
                 continue
             overtaken = min(overtaken, rank(req))
             if head is None:

@@ -161,7 +161,6 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
     logging.basicConfig(format="twospeed engine: %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     try:
         from twospeed.engine.engine import LLMEngine
-
         from twospeed.engine.structured import warm_grammars
 
         engine = LLMEngine(config)
