@@ -2,7 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/bench_cluster.py [--workloads agent,agent-jobs,agent-sessions,mixed] [--requests 60]
           [--rate 2] [--rounds 2] [--replica-threads 1] [--no-direct-streams] [--engine-nice N]
-          [--out bench_out/cluster]
+          [--kv-cache-gb 0.5] [--out bench_out/cluster]
 Smoke (seconds of load, not numbers): --workloads agent --requests 4 --rounds 1 --scale 0.1
 On the demo model (4096 tokens) pass --scale 0.5 for agent-jobs: at 1.0 its 5k-token tool dumps do not fit, and every
 job's second call is a 400 (the table's errors row says so).
@@ -23,7 +23,9 @@ router can gain there is 1 / round-robin's cached share). `agent-sessions` is `a
 (each job its own system block, written here from the built-in): sessions share nothing across jobs, so what is
 cached is each session's own history, and only affinity finds it. A job's number of calls depends on its answers
 (gates, loops), so for the job workloads compare the cached share of prompt tokens (and per request), not the
-totals.
+totals. `--kv-cache-gb` sizes each replica's pool: with room for the sessions' working set once but not twice,
+round-robin's copies of every session (each replica sees every session) evict each other, while affinity keeps
+one copy of each; far below that both thrash, far above it round-robin finds history by parity.
 """
 
 from __future__ import annotations
@@ -139,23 +141,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-cpus", type=float, default=1.0)
     ap.add_argument("--direct-streams", action=argparse.BooleanOptionalAction, default=True,
                     help="requests stream over each replica's TCP channel (default), or through Ray Serve's handle")
-    ap.add_argument("--engine-nice", type=int, default=0,
-                    help="niceness added to each replica's engine process (ServerConfig.engine_nice)")
+    ap.add_argument("--engine-nice", type=int, default=15,
+                    help="niceness of each replica's engine process over its actor's (ClusterConfig.engine_nice)")
+    ap.add_argument("--kv-cache-gb", type=float, default=0.5,
+                    help="each replica's KV pool (GiB): below the sessions' working set twice over, round-robin's "
+                         "copies of every session evict each other, and affinity keeps one copy of each")
     ap.add_argument("--out", default="bench_out/cluster")
     args = ap.parse_args(argv)
     console = Console(width=max(120, Console().width))
 
     start_ray(ClusterConfig(replicas=2, replica_cpus=args.replica_cpus))
-    engine = EngineConfig.from_kwargs("demo", kv_cache_memory_gb=0.5)
-    server = ServerConfig(port=0, max_waiting=4096, engine_nice=args.engine_nice)
+    engine = EngineConfig.from_kwargs("demo", kv_cache_memory_gb=args.kv_cache_gb)
+    server = ServerConfig(port=0, max_waiting=4096)
     common = dict(replicas=2, replica_cpus=args.replica_cpus, replica_threads=args.replica_threads,
-                  direct_streams=args.direct_streams)
+                  direct_streams=args.direct_streams, engine_nice=args.engine_nice)
     urls = {"prefix": deploy(engine, server, ClusterConfig(router="prefix", app_name="twospeed", **common)),
             "round-robin": deploy(engine, server, ClusterConfig(router="round-robin", app_name="rr",
                                                                  attach_to="twospeed", **common))}
     console.print(f"replicas up: prefix at {urls['prefix']}, round-robin at {urls['round-robin']} (same replicas); "
                   f"streams {'direct' if args.direct_streams else 'through the Serve handle'}, "
-                  f"engine nice {args.engine_nice}")
+                  f"engine nice {args.engine_nice}, KV pool {args.kv_cache_gb} GiB a replica")
     out = Path(args.out)
     summary = {}
     try:
