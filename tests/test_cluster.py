@@ -15,6 +15,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ serve = pytest.importorskip("ray.serve", reason="the cluster tests need Ray Serv
 from test_server import ENGINE, ServerProcess, parse_metrics, sse_events  # noqa: E402
 
 from twospeed.cluster.config import ClusterConfig  # noqa: E402
-from twospeed.cluster.deploy import deploy  # noqa: E402
+from twospeed.cluster.deploy import WORKER_NICE, deploy, start_ray  # noqa: E402
 from twospeed.config import EngineConfig  # noqa: E402
 from twospeed.server.config import ServerConfig  # noqa: E402
 
@@ -55,13 +56,11 @@ class Cluster:
 
 @pytest.fixture(scope="session")
 def cluster():
-    import logging
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    common = dict(replicas=2, replica_cpus=0.5, replica_threads=1, probe_interval=0.5)
+    assert start_ray(ClusterConfig(**common))  # as `twospeed serve --replicas` starts it
     try:
         engine = EngineConfig.from_kwargs("demo", **ENGINE)
         server = ServerConfig(port=0, max_waiting=2000)
-        common = dict(replicas=2, replica_cpus=0.5, replica_threads=1, probe_interval=0.5)
         url = deploy(engine, server, ClusterConfig(router="prefix", app_name=APP, **common))
         rr_url = deploy(engine, server, ClusterConfig(router="round-robin", app_name=RR_APP, attach_to=APP, **common))
         yield Cluster(url, rr_url)
@@ -240,6 +239,30 @@ def test_the_dashboard_shows_the_replicas(cluster, tmp_path_factory):
 
 
 # -- faults (last: it restarts a replica) ------------------------------------------------------------------------
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, niceness, command line) of every process here."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(stat.parent.name)] = (int(fields[1]), int(fields[16]), cmd)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads niceness from /proc")
+def test_the_route_runs_above_the_engines(cluster):
+    """The replica actors (the route's and the streams' end) run at the workers' niceness, not Ray's default 15,
+    and each one's engine process ClusterConfig.engine_nice above it: a hop preempts a step."""
+    procs = _processes()
+    actors = {pid: nice for pid, (_, nice, cmd) in procs.items() if f"ServeReplica:{APP}:engine-" in cmd}
+    assert len(actors) == 2 and set(actors.values()) == {WORKER_NICE}, actors
+    engines = [nice for ppid, nice, cmd in procs.values() if ppid in actors and "engine_process" in cmd]
+    assert engines == [WORKER_NICE + ClusterConfig().engine_nice] * 2, engines
+
+
 def test_a_killed_replica_fails_only_its_streams_and_comes_back(cluster):
     streams: list[dict] = []
 

@@ -200,3 +200,5 @@ def test_serve_refuses_a_bad_cluster_flag_before_starting_anything(capsys):
     assert "router must be one of prefix, least-loaded, round-robin" in capsys.readouterr().err
     assert main(["serve", "--attach-to", "twospeed", "--router", "round-robin"]) == 2
     assert "--attach-to needs --ray-address" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--engine-nice", "20"]) == 2
+    assert "engine_nice must be in 0..19" in capsys.readouterr().err

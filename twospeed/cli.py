@@ -149,8 +149,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="step the engine in a process of its own, where the HTTP side never takes the GIL from "
                              "a step (the default); --no-engine-process: in a thread of the server's process")
     parser.add_argument("--engine-nice", type=int, metavar="N",
-                        help="niceness added to the engine process (0-19, default 0): the server's own work then "
-                             "preempts a step on shared cores")
+                        help="niceness added to the engine process (0-19, default 0; 15 behind --replicas): the "
+                             "server's own work (a request, the route, a stream) then preempts a step on shared cores")
     parser.add_argument("--history-minutes", type=float,
                         help="minutes of steps and requests /dashboard keeps in memory (default 15)")
     parser.add_argument("--history-requests", type=int, help="ended sequences /dashboard keeps (default 4096)")
@@ -176,7 +176,7 @@ def _cluster_config(args: argparse.Namespace):
     from twospeed.cluster.config import ClusterConfig
 
     names = {"replicas", "router", "ray_address", "replica_cpus", "replica_threads", "replica_gpus", "app_name",
-             "attach_to", "direct_streams"}
+             "attach_to", "direct_streams", "engine_nice"}
     config = ClusterConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     if config.attach_to is not None and config.ray_address is None:
         raise ValueError("--attach-to needs --ray-address: the Ray cluster the application runs on")

@@ -30,6 +30,14 @@ from twospeed.server.config import ServerConfig
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
+# Ray starts its workers at niceness 15 (below its own daemons), which would put the ingress and the replica actors,
+# the route and every stream, below any process at the default 0 on the node (a client, an agent): there a 2-5 ms
+# hop waited 10-16 ms for a core (benchmarks/bench_route_hop.py). A Ray started here runs them at 0; the engines
+# take ClusterConfig.engine_nice. A cluster joined with --ray-address keeps its own (`ray start` with
+# RAY_worker_niceness=0 does the same).
+WORKER_NICE = 0
+
+
 def build_cluster_app(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig):
     """The Ray Serve application to deploy (serve.run)."""
     from ray import serve
@@ -47,12 +55,13 @@ def build_cluster_app(engine_config: EngineConfig, server_config: ServerConfig, 
         return ingress.bind(engine_config, server_config, cluster)
     threads = engine_config.num_threads or cluster.replica_threads  # --num-threads wins where given
     replica_engine = dataclasses.replace(engine_config, num_threads=threads)
+    replica_server = dataclasses.replace(server_config, engine_nice=cluster.engine_nice)
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **SERVE_ENV}
     engines = [serve.deployment(EngineReplica, name=name, num_replicas=1, max_ongoing_requests=ongoing,
                                 ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus,
                                                    "runtime_env": {"env_vars": env}},
                                 graceful_shutdown_timeout_s=grace, health_check_period_s=2.0,
-                                health_check_timeout_s=30.0).bind(replica_engine, server_config, name, threads)
+                                health_check_timeout_s=30.0).bind(replica_engine, replica_server, name, threads)
                for name in cluster.replica_names]
     return ingress.bind(engine_config, server_config, cluster, *engines)
 
@@ -67,7 +76,8 @@ def start_ray(cluster: ClusterConfig, log_to_driver: bool = False) -> bool:
         ray.init(address=cluster.ray_address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
         return False
     cpus = max(os.cpu_count() or 1, math.ceil(cluster.replicas * cluster.replica_cpus + cluster.ingress_cpus))
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=log_to_driver, logging_level=logging.WARNING,
+             _system_config={"worker_niceness": WORKER_NICE})
     return True
 
 
