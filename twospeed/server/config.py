@@ -35,7 +35,7 @@ class ServerConfig:
     # Niceness added to the engine process (0-19). Above 0, on cores the engine shares, the server's own work (an HTTP
     # request, a replica's channel relaying a stream) preempts a step instead of waiting out its time slice; a step
     # loses only what that work takes. Default 0 for one server (not measured there); a cluster's replicas take
-    # ClusterConfig.engine_nice (15), which cut the route's p99 (benchmarks/bench_route_hop.py).
+    # ClusterConfig.engine_nice (15): the hop's p99 beside busy engines 6 -> 2 ms (benchmarks/bench_route_hop.py).
     engine_nice: int = 0
     history_minutes: float = 15.0  # minutes of steps and requests the dashboard's history keeps (server/history.py)
     history_requests: int = 4096  # ended sequences the history keeps with their clock and bill
