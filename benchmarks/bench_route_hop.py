@@ -6,8 +6,9 @@ Run:  .venv/bin/python benchmarks/bench_route_hop.py [--requests 400] [--prompt-
 Two processes, as in a cluster: an "ingress" that does what the cluster client does between a request's
 arrival and its send (RoutedGroup, the prefix router's choice over the prompt's block-hash chain, a frame on the
 replica's channel), and a "replica" whose ChannelServer runs a generate() that stamps route_time exactly as
-EngineReplica.generate does and answers Admitted. Requests go one at a time, a random pause apart (`--pause-ms`), so every
-hop starts from sleeping processes (the common case at a few requests a second); 0 sends them back to back.
+EngineReplica.generate does and answers Admitted. Requests go one at a time, a random pause apart (`--pause-ms`),
+so every hop starts from sleeping processes (the common case at a few requests a second); 0 sends them back to
+back.
 
 Printed: route_time p50/p90/p99/max, and the ingress's own part (arrival -> frame written: the router's hashing
 and the pickling), so the rest is the wake-ups and the loopback TCP. `--hogs N` starts N CPU-bound processes
@@ -71,9 +72,9 @@ async def ingress(address, args) -> tuple[list[float], list[float]]:
     for i in range(args.requests + 10):
         prompt = system + [rng.randrange(8192) for _ in range(args.prompt_tokens - len(system))]
         await asyncio.sleep(rng.uniform(0.5, 1.5) * args.pause_ms / 1e3)
-        arrival = time.monotonic()
+        arrival, arrival_unix = time.monotonic(), time.time()
         specs = [SequenceSpec(f"r{i}", prompt, SamplingParams(max_tokens=64), 0)]
-        routed = RoutedGroup("agent", 0, time.time() - (time.monotonic() - arrival), specs)
+        routed = RoutedGroup("agent", 0, arrival_unix, specs)
         decision = router.choose(prompt, loads)
         stream = await channel.open(routed)
         sent = time.monotonic()
