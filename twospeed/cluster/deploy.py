@@ -32,8 +32,8 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 
 # Ray starts its workers at niceness 15 (below its own daemons), which would put the ingress and the replica actors,
 # the route and every stream, below any process at the default 0 on the node (a client, an agent): there a ~1 ms
-# hop took 10-16 ms beside two busy processes (benchmarks/bench_route_hop.py). A Ray started here runs them at 0; the engines
-# take ClusterConfig.engine_nice. A cluster joined with --ray-address keeps its own (`ray start` with
+# hop took 10-16 ms beside two busy processes (benchmarks/bench_route_hop.py). A Ray started here runs them at 0;
+# the engines take ClusterConfig.engine_nice. A cluster joined with --ray-address keeps its own (`ray start` with
 # RAY_worker_niceness=0 does the same).
 WORKER_NICE = 0
 
