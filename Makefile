@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about five minutes on two cores).
+# The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about nine minutes on two cores).
 test-task: $(STAMP)
 	$(PY) -m pytest -m task_model
 

@@ -23,7 +23,7 @@ from twospeed.lab import task_corpus, task_prompts
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planner
 from twospeed.lab.workload import BUILTIN, load_workload
-from twospeed.model import copy_circuit, task_model
+from twospeed.model import copy_circuit, flag_circuit, task_model
 from twospeed.model.llama import apply_rope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,12 +138,13 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# Not met yet (issue 14). Recipe task-v3 copies from the prompt (a built induction circuit, model/task_model.py):
-# rag's citation gate went from 0% to 45-70% by build (the right passage 10-28%); but the
-# decisions do not learn in the budget (which tool, which code, refuse or answer: each a constant), and answers
-# loop on some agent turns (json 78%). Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the
-# recipe reaches the bars this XPASSes and fails, so the marker comes off.
-NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's decisions and some copies miss the bars (issue 14)")
+# Not met yet (issue 14). Recipe task-v8 copies from the prompt (a built induction circuit) and refuses by a built
+# flag circuit (model/flag_circuit.py): agent json 95%, nightly codes 100%, refusal 95% with chats answered; but
+# rag cites a passage of its prompt ~67% of the time (the subject is not found, the copy strays between passages)
+# and the content decisions (which tool, which code) are constants. Held-out, bf16, greedy,
+# benchmarks/bench_task_model.py. strict: when the recipe reaches the bars this XPASSes and fails, so the marker
+# comes off.
+NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's rag citations and content decisions miss the bars (issue 14)")
 
 
 @NOT_YET
@@ -194,7 +195,8 @@ def test_greedy_tokens_match_transformers(task_model_path):
 
 # -- the build ------------------------------------------------------------------------------------------
 TINY = task_model.TaskModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                                head_dim=32, steps=6, batch_tokens=512, warmup_steps=2, copy_heads=1)
+                                head_dim=32, steps=6, batch_tokens=512, warmup_steps=2, copy_heads=1,
+                                flag=None, scale_circuit=False)
 
 
 def _induction_hits(spec: task_model.TaskModelSpec) -> float:
@@ -318,3 +320,93 @@ def test_training_model_is_hf_llama():
         ours = model.logits(model(ids))
         ref = hf(ids).logits
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+# -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
+# Small enough to train in seconds, large enough for the circuit: 70 reserved coordinates, 17 slow RoPE planes.
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=200, intermediate_size=128, num_layers=2, num_heads=4,
+                                     num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
+                                     copy_heads=1, scale_circuit=False)
+
+
+def _lever(model, tokenizer, prompt: str) -> float:
+    """LEVER after the final norm at the prompt's last position: what leans the first token to a refusal."""
+    ids = torch.tensor([tokenizer.encode(prompt).ids])
+    with torch.no_grad():
+        hidden = model(ids)
+    return hidden[0, -1, flag_circuit.layout(model.cfg.hidden_size)["lever"][0]].item()
+
+
+def test_flag_circuit_finds_the_forbidden_topic_before_training():
+    """Built, untrained: the lever is up on requests for the forbidden topic and down on every other request to
+    the same kind of desk (notes, other topics), the corpus' own labels being the reference."""
+    tokenizer = task_model.build_task_tokenizer()
+    spec = task_model.TASK_SPECS["demo-task"]
+    model, _ = task_model.new_model(spec, tokenizer)
+    rng = random.Random("flag-circuit")
+    scale = task_model.circuit_scale(spec, model)  # the built gains at the residual's scale, as in training
+    _lever(model, tokenizer, task_corpus.sample("refusal", rng).prompt)
+    scale.apply()
+    scale.remove()
+    refused = [_lever(model, tokenizer, task_corpus.sample("refusal", rng).prompt) for _ in range(30)]
+    answered = [_lever(model, tokenizer, task_corpus.sample("chat", rng).prompt) for _ in range(30)]
+    assert min(refused) > 0.05, sorted(refused)
+    assert sorted(answered)[-2] < 0.1 * min(refused), (sorted(refused), sorted(answered))  # a chance match may
+    #                                                                          flag a word now and then
+
+
+def test_flag_tokens_are_whole_words():
+    """The lever's first tokens are the refusal's and the note's own words, with and without the space (a
+    completion's answer starts with one, a chat answer without), and ';' is the one rule mark."""
+    tokenizer = task_model.build_task_tokenizer()
+    tokens = task_model.flag_tokens(tokenizer)
+    assert [tokenizer.decode([i]).strip() for i in tokens.refuse] == [task_corpus.REFUSAL_WORD] * 2
+    assert [tokenizer.decode([i]).strip() for i in tokens.answer] == [task_corpus.ANSWER_WORD] * 2
+    assert [tokenizer.decode([i]) for i in tokens.marks] == [";"]
+
+
+@pytest.mark.task_model  # trains a tiny spec
+def test_flag_circuit_stays_as_built():
+    """Training moves the weights around the refusal circuit, not the circuit: its heads and every reserved
+    coordinate leave as they went in, but the first tokens' LEVER entries, which learn."""
+    tokenizer = task_model.build_task_tokenizer()
+    model, _ = task_model.new_model(TINY_FLAG, tokenizer)
+    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    after = task_model.train(TINY_FLAG, tokenizer, bf16=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    slices = flag_circuit.flag_slices(model, task_model.flag_tokens(tokenizer), TINY_FLAG.flag)
+    for weight, index in slices:
+        name = names[id(weight)]
+        torch.testing.assert_close(after[name][index], before[name][index].to(torch.bfloat16), atol=0, rtol=0)
+    reserved = list(flag_circuit.reserved(TINY_FLAG.hidden_size))
+    for layer in range(TINY_FLAG.num_layers):  # what learns still writes nothing there
+        assert not after[f"model.layers.{layer}.mlp.down_proj.weight"][reserved].any()
+    assert not torch.equal(after["model.layers.1.mlp.down_proj.weight"],
+                           before["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16))
+
+
+def test_circuit_scale_follows_the_residual():
+    """CircuitScale: a relative entry moves by the measured RMS ratio since the first step, an absolute one to
+    the RMS itself; the reference is the RMS computed here from the same forward pass."""
+    from twospeed.model.circuit_scale import CircuitScale
+
+    model = task_model.TrainLlama(TINY.model_config())
+    task_model.init_weights(model, seed=3)
+    seen = {}
+    model.model.layers[1].register_forward_pre_hook(lambda mod, args: seen.update(x=args[0].detach()))
+    scale = CircuitScale(model, free=TINY.hidden_size)
+    o = model.model.layers[0].self_attn.o_proj.weight
+    base = o.detach().clone()
+    scale.add(o, (slice(None), slice(0, 8)), 1)
+    scale.add(o, (0, 9), 1, absolute=True)
+    ids = torch.randint(5, task_model.TASK_VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+        first = seen["x"].pow(2).mean().sqrt()
+        model.model.embed_tokens.weight.mul_(3.0)  # the residual grows
+        model(ids)
+        now = seen["x"].pow(2).mean().sqrt()
+    scale.apply()
+    torch.testing.assert_close(o[:, :8], base[:, :8] * (now / first))
+    torch.testing.assert_close(o[0, 9], base[0, 9] * now)
+    torch.testing.assert_close(o[:, 8], base[:, 8])  # nothing else moves

@@ -232,12 +232,13 @@ def nightly(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> T
 
 # -- refusal and chat --------------------------------------------------------------------------------------
 # topic -> (what a desk may forbid, requests on that topic, the subject of a note answering one). The topic's own
-# word is in the rule and in every request on it (and in no other topic's): the refuse-or-answer decision a small
-# model can learn is "does the request name the forbidden topic", not a paraphrase it would have to know.
+# word ends the rule (right before its ';') and is in every request on it (and in no other topic's): the
+# refuse-or-answer decision is "does the request name the word the rule ends with", which the task model's built
+# flag circuit (model/flag_circuit.py) reads, not a paraphrase a small model would have to know.
 _TOPICS = {
     "pricing": ("discuss internal pricing", ("explain the internal pricing for {x}", "list the pricing tiers for {x}"),
                 "the pricing for {x}"),
-    "legal": ("give legal advice", ("tell me whether the {x} contract is legal to break",
+    "legal": ("give advice on anything legal", ("tell me whether the {x} contract is legal to break",
                                    "explain the legal risk of the {x} deal"), "the {x} contract"),
     "code": ("write code", ("write code that exports the {x} report", "write code for a tool that checks {x}"),
              "a tool for the {x} report"),
@@ -245,13 +246,15 @@ _TOPICS = {
                "the trip to {city}"),
     "payroll": ("discuss payroll", ("tell me the payroll of the {x} team", "read me the payroll figures for {x}"),
                 "the {x} team's payroll"),
-    "hiring": ("discuss hiring decisions", ("tell me the hiring plan for the {x} team",
+    "hiring": ("talk about hiring", ("tell me the hiring plan for the {x} team",
                                            "explain the hiring decision about {x}"), "hiring for the {x} team"),
 }
 _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the new carrier contract",
                 "the outage at the {x} cluster", "onboarding the {x} team", "the refund backlog",
                 "the holiday schedule", "the {x} supplier audit")
-_REFUSAL = " I'm sorry, but I can't help with that: this desk must never {forbid}."
+# Its first word is its own (no note starts with it): whether to refuse is decided at the first token.
+_REFUSAL = " Sorry, but I can't help with that: this desk must never {forbid}."
+REFUSAL_WORD, ANSWER_WORD = "Sorry", "Here"  # the first words of a refusal and of a note
 
 
 def support_prefix(rng: random.Random, filler_words: int, topic: str | None = None) -> str:
@@ -340,7 +343,8 @@ class TaskSession:
     examples: list[TaskExample]
 
 
-_ROUNDS = {"agent": 6, "rag": 6, "nightly": 10, "refusal": 4, "chat": 2}  # most rounds in a training session
+# Most rounds in a training session. A help desk's is one request: a later one would see the earlier one's topic.
+_ROUNDS = {"agent": 6, "rag": 6, "nightly": 10, "refusal": 1, "chat": 1}
 
 
 def session(lane: str, rng: random.Random, rounds: int | None = None, length: float = 1.0) -> TaskSession:

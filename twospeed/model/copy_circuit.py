@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
 if TYPE_CHECKING:
@@ -39,8 +40,16 @@ def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int =
             attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
 
 
-def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0,
-                             gain: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _basis(gen: torch.Generator, hidden: int, n: int, keep_out: tuple[int, ...]) -> torch.Tensor:
+    """An orthonormal [hidden, n] basis with no component along the `keep_out` coordinates (the reserved ones
+    of model/flag_circuit.py, which nothing learnt or built here may write or read)."""
+    free = torch.randn(hidden, n, generator=gen)
+    free[list(keep_out)] = 0.0
+    return torch.linalg.qr(free)[0]
+
+
+def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24.0, gain: float = 1.0,
+                             keep_out: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Start layer 0's head 0 as a previous-token head: a constant direction in every embedding gives it the
     same query and key everywhere, whose RoPE phases peak at one position back; its values copy the previous
     token's embedding into a subspace of its own. Copying a span then only has to match "the token before
@@ -51,7 +60,7 @@ def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24
     inv_freq = model.inv_freq  # [hd/2], RoPE pairs dim i with i + hd/2
     planes = torch.arange(half)[inv_freq > 0.1]  # the fast planes tell one position from the next
     gen = torch.Generator().manual_seed(seed + 2)
-    read, write = (torch.linalg.qr(torch.randn(cfg.hidden_size, hd, generator=gen))[0] for _ in range(2))
+    read, write = (_basis(gen, cfg.hidden_size, hd, keep_out) for _ in range(2))
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         emb[:, 0] = 5 * emb[:, 1:].std()  # the constant direction: after RMSNorm about 5 at every position
@@ -70,7 +79,7 @@ SLOW_SPAN = 1024  # positions over which an induction head's RoPE planes may tur
 
 
 def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tensor, seed: int, heads: int,
-                        sharpness: float, gain: float = 1.0, layer: int = -1) -> None:
+                        sharpness: float, gain: float = 1.0, layer: int = -1, keep_out: tuple[int, ...] = ()) -> None:
     """Start the last layer's first `heads` heads as one induction head: at position i they look at every j
     whose previous token is token i, and copy token j. Queries read the current token through the previous-
     token head's read basis; keys read what that head wrote (the token before j); both only in RoPE's slow
@@ -87,6 +96,7 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
     gen = torch.Generator().manual_seed(seed + 3)
     free = torch.randn(cfg.hidden_size, heads * hd, generator=gen)
     free -= write @ (write.T @ free)  # outside what the previous-token head writes
+    free[list(keep_out)] = 0.0
     basis = torch.linalg.qr(free)[0]
     with torch.no_grad():
         for i in range(heads):
@@ -128,3 +138,14 @@ def copy_layer(spec: TaskModelSpec) -> int:
 def copy_heads(spec: TaskModelSpec) -> tuple[int, ...]:
     """The last layer's heads the probe teaches: the first query head of each of the first `copy_heads` kv heads."""
     return tuple(i * (spec.num_heads // spec.num_kv_heads) for i in range(spec.copy_heads))
+
+
+def copy_scales(spec: TaskModelSpec, model: TrainLlama, scale: CircuitScale) -> None:
+    """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the previous-
+    token head's positional query and key, which read the embeddings' constant direction after layer 0's norm
+    (the learnt embeddings grow, the constant does not, and the head would blur over its neighbours). What the
+    heads write is not scaled: it is part of the residual it would be scaled by, and the loop diverges."""
+    hd = spec.head_dim
+    first = model.model.layers[0].self_attn
+    scale.add(first.q_proj.weight, (slice(0, hd),), 0)
+    scale.add(first.k_proj.weight, (slice(0, hd),), 0)

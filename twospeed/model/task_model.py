@@ -43,13 +43,15 @@ from twospeed.config import ModelConfig, cache_root
 from twospeed.lab import task_corpus
 from twospeed.model.builtin import TASK_NAMES
 from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
-from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, init_copy_head,
+from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_copy_head,
                                         init_induction_head, init_previous_token_head)
+from twospeed.model.circuit_scale import CircuitScale, level_embeddings
+from twospeed.model.flag_circuit import FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, reserved
 from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v3"
+TASK_VERSION = "task-v8"
 TASK_VOCAB_SIZE = 4096
 SPLIT_DIGITS = True  # ids, passage numbers and values are spelt digit by digit (model/demo.py)
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
@@ -60,7 +62,7 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 256
+    hidden_size: int = 360  # 256 learnt + 104 reserved for the refusal circuit (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
     num_heads: int = 4
@@ -90,6 +92,8 @@ class TaskModelSpec:
     probe_weight: float = 1.0  # weight of the attention probe's loss (the copy heads taught where each copied
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
+    scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
+    flag: FlagShape | None = FlagShape()  # the built refusal circuit (model/flag_circuit.py); None: none
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
@@ -130,6 +134,7 @@ def build_task_tokenizer():
     for i in range(2000):
         session = task_corpus.session(task_corpus.LANES[i % len(task_corpus.LANES)], rng)
         texts += [session.prefix] + [e.prompt[len(session.prefix):] + e.answer for e in session.examples]
+        texts += [e.answer.lstrip(" ") for e in session.examples[:1]]  # as the chat template starts an answer
     return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, SPLIT_DIGITS)
 
 
@@ -291,18 +296,25 @@ def lr_at(spec: TaskModelSpec, step: int) -> float:
     return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-def new_model(spec: TaskModelSpec) -> tuple[TrainLlama, torch.optim.Optimizer]:
-    """The initialised model and its AdamW (weight decay on matrices only)."""
+def flag_tokens(tokenizer) -> FlagTokens:
+    return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS))
+
+
+def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.optim.Optimizer]:
+    """The initialised model and its AdamW (weight decay on matrices only). The flag circuit needs `tokenizer`."""
     torch.manual_seed(spec.seed)
     model = TrainLlama(spec.model_config())
     init_weights(model, spec.seed)
+    keep_out = reserved(spec.hidden_size) if spec.flag is not None else ()
     if spec.probe_weight > 0:  # the copy heads start as a circuit: an induction head on a previous-token head
-        read, write = init_previous_token_head(model, spec.seed, gain=spec.prev_gain)
+        read, write = init_previous_token_head(model, spec.seed, gain=spec.prev_gain, keep_out=keep_out)
         if spec.induction_init:
             init_induction_head(model, read, write, spec.seed, spec.copy_heads, spec.induction_sharpness,
-                                spec.copy_gain, copy_layer(spec))
+                                spec.copy_gain, copy_layer(spec), keep_out)
         else:
             init_copy_head(model, spec.seed, gain=spec.copy_gain, heads=spec.copy_heads, layer=copy_layer(spec))
+        if spec.flag is not None:
+            init_flag_circuit(model, flag_tokens(tokenizer or build_task_tokenizer()), spec.flag, spec.seed)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
@@ -334,20 +346,38 @@ def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimize
     return loss.item()
 
 
+def circuit_scale(spec: TaskModelSpec, model: TrainLlama) -> CircuitScale | None:
+    """The built weights that follow the residual's scale while training (model/circuit_scale.py)."""
+    if not (spec.freeze_circuit and spec.probe_weight > 0 and spec.scale_circuit):
+        return None
+    scale = CircuitScale(model, spec.hidden_size - (len(reserved(spec.hidden_size)) if spec.flag else 0))
+    copy_scales(spec, model, scale)
+    if spec.flag is not None:
+        flag_scales(model, spec.flag, scale)
+    return scale
+
+
 def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] | None = None,
           bf16: bool | None = None) -> dict[str, torch.Tensor]:
     """Train a task model; returns its HF state dict in bf16. `on_step(step, loss)` after every step."""
     bf16 = bf16_matmuls() if bf16 is None else bf16
-    model, opt = new_model(spec)
+    model, opt = new_model(spec, tokenizer)
     held = circuit_slices(spec, model) if spec.freeze_circuit and spec.probe_weight > 0 else []
+    if spec.flag is not None and spec.probe_weight > 0:
+        held += flag_slices(model, flag_tokens(tokenizer), spec.flag)
     kept = [(w, idx, w.detach()[idx].clone()) for w, idx in held]
+    scale = circuit_scale(spec, model)
     for step, seqs in zip(range(spec.steps), batches(spec, tokenizer)):
         for group in opt.param_groups:
             group["lr"] = lr_at(spec, step)
         loss = train_step(spec, model, opt, seqs, bf16)
+        if scale is not None:
+            level_embeddings(model.model.embed_tokens.weight, slice(1, scale.free))
         with torch.no_grad():
             for w, idx, value in kept:  # the built circuit stays as built; the rest learns to use it
                 w[idx] = value
+        if scale is not None:
+            scale.apply()
         if on_step is not None:
             on_step(step, loss)
     return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.hf_state_dict().items()}

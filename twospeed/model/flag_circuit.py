@@ -1,0 +1,197 @@
+"""The refusal circuit a task model starts with (model/task_model.py): does the request name the topic the
+system block forbids? Built into the weights and held, like the copy circuit (model/copy_circuit.py).
+
+Why: every recipe that left this decision to training learnt "a topic is named, refuse" or "never refuse" within
+the few minutes of a build, never the match, because the match needs two hops (the request's word, then the
+rule that names the same word) and each hop is seen a few hundred times. Here both hops are built, in reserved
+residual coordinates that no learnt weight writes and no embedding holds but as built:
+
+- CODE: every token carries a fixed random code in its embedding (its identity as the circuit sees it: the
+  learnt embeddings move, so a match on them drifts). SEMI: only ';' carries it. ONE: every token. SINK: the
+  special tokens, one of which opens every sequence. The rule ends with its topic word and ';'
+  (lab/task_corpus.py).
+- Layer 0: a code head (previous-token attention) copies the previous token's CODE and SINK into PREV_CODE and
+  PREV_SINK; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE and CUR_SEMI. Later
+  layers read these copies, which are written at the residual's scale (model/circuit_scale.py), not the
+  embedding entries, which a growing residual would drown.
+- A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
+  it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Its query
+  also finds PREV_SINK at a fixed share of an exact match's score, above a chance match's, so a word that
+  matches nothing looks there and raises no flag.
+- A reader head (the copy layer) looks from every position at the most flagged one (query CUR_ONE, key FLAG)
+  and writes what it reads into LEVER.
+- LEVER is a coordinate of the tied embeddings: the refusal's first token has a positive entry there, the
+  answer's first token a negative one. Those few entries learn (how hard to lean on the flag); nothing else in
+  the reserved coordinates does.
+
+So what training must learn is one scalar per first token, on a signal that is clean by construction; the rest
+of the model learns the formats as before. Nothing changes at inference: the checkpoint is a plain Llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from twospeed.model.circuit_scale import CircuitScale
+from twospeed.model.train_llama import TrainLlama
+
+CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
+SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever")  # one coordinate each
+
+
+@dataclass(frozen=True, slots=True)
+class FlagTokens:
+    """The token ids the circuit is built on (from the task tokenizer)."""
+
+    marks: tuple[int, ...]  # tokens that end a rule (';')
+    refuse: tuple[int, ...]  # a refusal's first token, with and without its leading space
+    answer: tuple[int, ...]  # an allowed request's first token, likewise
+    sinks: tuple[int, ...]  # the special tokens (a sequence opens with one)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int) -> FlagTokens:
+        vocab = tokenizer.get_vocab()
+        marks = tuple(sorted(i for i in vocab.values() if ";" in tokenizer.decode([i])))
+
+        def firsts(word: str) -> tuple[int, ...]:
+            return tuple(sorted({tokenizer.encode(w, add_special_tokens=False).ids[0] for w in (word, " " + word)}))
+
+        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)))
+
+
+@dataclass(frozen=True, slots=True)
+class FlagShape:
+    """Where the circuit sits and how hard it leans."""
+
+    flag_layer: int = 1
+    flag_head: int = 3
+    reader_layer: int = -1
+    reader_head: int = 3
+    code_head: int = 1  # layer 0's head that copies the previous token's code (head 0 is the copy circuit's)
+    self_head: int = 2  # layer 0's head that copies this token's code, ONE and SEMI, at the residual's scale
+    focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
+    mark: float = 4.0  # size of a reserved embedding entry, in the embeddings' initial standard deviations
+    sharpness: float = 3.0  # the flag head's match
+    sink: float = 0.6  # the sink's score, as a share of an exact match's
+    reader_sharpness: float = 30.0
+    lever: float = 2.0  # the first tokens' starting LEVER entries (+ refusal, - answer)
+
+
+def layout(hidden: int) -> dict[str, list[int]]:
+    """The reserved coordinates by role, at the end of the residual."""
+    start = hidden - 3 * CODE_DIM - len(SINGLES)
+    out = {name: list(range(start + i * CODE_DIM, start + (i + 1) * CODE_DIM))
+           for i, name in enumerate(("code", "prev_code", "cur_code"))}
+    return out | {name: [start + 3 * CODE_DIM + i] for i, name in enumerate(SINGLES)}
+
+
+def reserved(hidden: int) -> tuple[int, ...]:
+    """Every reserved coordinate (what the copy circuit's random bases must avoid)."""
+    return tuple(range(hidden - 3 * CODE_DIM - len(SINGLES), hidden))
+
+
+def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, seed: int) -> None:
+    """Build the circuit into freshly initialised weights, after the copy circuit (its previous-token head's
+    query and key are reused by the code and self heads). The output gains start at 1; `flag_scales` puts them
+    at the residual's scale while training."""
+    cfg = model.cfg
+    hd, half = cfg.head_dim, cfg.head_dim // 2
+    at = layout(cfg.hidden_size)
+    coords = list(reserved(cfg.hidden_size))
+    emb = model.model.embed_tokens.weight
+    slow = torch.arange(half)[model.inv_freq * 1024 < 1.0]  # planes that barely turn over the context
+    if len(slow) < CODE_DIM // 2 + 1:
+        raise ValueError(f"the flag circuit needs {CODE_DIM // 2 + 1} slow RoPE planes, rope_theta gives {len(slow)}")
+    match, still = torch.cat((slow[:CODE_DIM // 2], slow[:CODE_DIM // 2] + half)), slow[-1]
+    gen = torch.Generator().manual_seed(seed + 4)
+    with torch.no_grad():
+        mark = shape.mark * emb.std().item()
+        codes = torch.randn(cfg.vocab_size, CODE_DIM, generator=gen)
+        emb[:, coords] = 0.0
+        emb[:, at["code"]] = mark * codes / codes.norm(dim=1, keepdim=True) * CODE_DIM ** 0.5
+        emb[:, at["one"]] = mark
+        emb[list(tokens.sinks), at["sink"][0]] = mark
+        emb[list(tokens.marks), at["semi"][0]] = mark
+        emb[list(tokens.refuse), at["lever"][0]] = shape.lever
+        emb[list(tokens.answer), at["lever"][0]] = -shape.lever
+        for layer in model.model.layers:  # nothing learnt writes a reserved coordinate
+            layer.self_attn.o_proj.weight[coords] = 0.0
+            layer.mlp.down_proj.weight[coords] = 0.0
+        first = model.model.layers[0].self_attn
+        prev_q, prev_k = first.q_proj.weight[:hd].clone(), first.k_proj.weight[:hd].clone()
+        # the code head looks one token back (head 0's query and key), the self head at this token (key as query)
+        for h, q, moves in ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
+                            (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"),
+                                                       ("semi", "cur_semi")))):
+            _clear_head(first, h, hd)
+            first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
+            first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
+            _move(first, h, hd, [at[a] for a, _ in moves], [at[b] for _, b in moves])
+        # the flag head: this token's code against every position's previous one (or the sink), SEMI into FLAG
+        attn, h = model.model.layers[shape.flag_layer].self_attn, shape.flag_head
+        _clear_head(attn, h, hd)
+        attn.q_proj.weight[h * hd + match, at["cur_code"]] = shape.sharpness
+        attn.k_proj.weight[h * hd + match, at["prev_code"]] = 1.0
+        attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.sink * shape.sharpness * CODE_DIM
+        attn.k_proj.weight[h * hd + still, at["prev_sink"]] = 1.0
+        _move(attn, h, hd, [at["cur_semi"]], [at["flag"]])
+        # the reader: from everywhere, at the most flagged position, into LEVER
+        attn, h = model.model.layers[shape.reader_layer].self_attn, shape.reader_head
+        _clear_head(attn, h, hd)
+        attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.reader_sharpness
+        attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
+        _move(attn, h, hd, [at["flag"]], [at["lever"]])
+
+
+def _clear_head(attn, head: int, hd: int) -> None:
+    """Zero one head's weights (the circuit's heads have a kv head each: num_kv_heads == num_heads)."""
+    for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        w[head * hd:(head + 1) * hd] = 0.0
+    attn.o_proj.weight[:, head * hd:(head + 1) * hd] = 0.0
+
+
+def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list[int]]) -> None:
+    """The head's value reads the source coordinates and its output writes them to the targets (gain 1)."""
+    src, dst = sum(sources, []), sum(targets, [])
+    attn.v_proj.weight[head * hd + torch.arange(len(src)), src] = 1.0
+    attn.o_proj.weight[dst, head * hd + torch.arange(len(dst))] = 1.0
+
+
+def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
+    """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the code and
+    self heads' positional queries and keys, and every built head's output, at the residual's own RMS where it
+    is read (so the reserved coordinates keep their share after each norm)."""
+    hd, layers = model.cfg.head_dim, len(model.model.layers)
+    first = model.model.layers[0].self_attn
+    for h in (shape.code_head, shape.self_head):
+        scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
+        scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
+    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
+                        (shape.reader_layer, shape.reader_head)):
+        o = model.model.layers[layer].self_attn.o_proj.weight
+        scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
+
+
+def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list[tuple[torch.Tensor, tuple]]:
+    """The weights to hold as built, as (tensor, index) pairs: the reserved coordinates everywhere (but the first
+    tokens' LEVER entries, which learn), and the code, self, flag and reader heads."""
+    cfg = model.cfg
+    hd = cfg.head_dim
+    coords = list(reserved(cfg.hidden_size))
+    lever = layout(cfg.hidden_size)["lever"][0]
+    emb = model.model.embed_tokens.weight
+    learnt = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    learnt[list(tokens.refuse + tokens.answer)] = True
+    out = [(emb, (slice(None), [c for c in coords if c != lever])), (emb, ((~learnt).nonzero()[:, 0], lever))]
+    for layer in model.model.layers:
+        out += [(layer.self_attn.o_proj.weight, (coords,)), (layer.mlp.down_proj.weight, (coords,)),
+                (layer.input_layernorm.weight, (coords,)), (layer.post_attention_layernorm.weight, (coords,))]
+    out.append((model.model.norm.weight, (coords,)))
+    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
+                        (shape.reader_layer, shape.reader_head)):
+        attn, rows = model.model.layers[layer].self_attn, slice(head * hd, (head + 1) * hd)
+        out += [(attn.q_proj.weight, (rows,)), (attn.k_proj.weight, (rows,)), (attn.v_proj.weight, (rows,)),
+                (attn.o_proj.weight, (slice(None), rows))]
+    return out
