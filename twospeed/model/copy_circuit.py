@@ -40,10 +40,14 @@ def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int =
             attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
 
 
-def _basis(gen: torch.Generator, hidden: int, n: int, keep_out: tuple[int, ...]) -> torch.Tensor:
+def _basis(gen: torch.Generator, hidden: int, n: int, keep_out: tuple[int, ...],
+           outside: torch.Tensor | None = None) -> torch.Tensor:
     """An orthonormal [hidden, n] basis with no component along the `keep_out` coordinates (the reserved ones
-    of model/flag_circuit.py, which nothing learnt or built here may write or read)."""
+    of model/flag_circuit.py, which nothing learnt or built here may write or read), nor, when given, along
+    the orthonormal columns of `outside`."""
     free = torch.randn(hidden, n, generator=gen)
+    if outside is not None:
+        free -= outside @ (outside.T @ free)
     free[list(keep_out)] = 0.0
     return torch.linalg.qr(free)[0]
 
@@ -94,10 +98,8 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
     dims = torch.cat((slow, slow + half))
     attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 3)
-    free = torch.randn(cfg.hidden_size, heads * hd, generator=gen)
-    free -= write @ (write.T @ free)  # outside what the previous-token head writes
-    free[list(keep_out)] = 0.0
-    basis = torch.linalg.qr(free)[0]
+    # not along what the previous-token head writes
+    basis = _basis(gen, cfg.hidden_size, heads * hd, keep_out, outside=write)
     with torch.no_grad():
         for i in range(heads):
             head = i * group

@@ -38,6 +38,7 @@ from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
+CODES = ("code", "prev_code", "cur_code")  # the code and its copies, CODE_DIM coordinates each
 SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever")  # one coordinate each
 
 
@@ -81,15 +82,14 @@ class FlagShape:
 
 def layout(hidden: int) -> dict[str, list[int]]:
     """The reserved coordinates by role, at the end of the residual."""
-    start = hidden - 3 * CODE_DIM - len(SINGLES)
-    out = {name: list(range(start + i * CODE_DIM, start + (i + 1) * CODE_DIM))
-           for i, name in enumerate(("code", "prev_code", "cur_code"))}
-    return out | {name: [start + 3 * CODE_DIM + i] for i, name in enumerate(SINGLES)}
+    start = hidden - len(reserved(hidden))
+    out = {name: list(range(start + i * CODE_DIM, start + (i + 1) * CODE_DIM)) for i, name in enumerate(CODES)}
+    return out | {name: [start + len(CODES) * CODE_DIM + i] for i, name in enumerate(SINGLES)}
 
 
 def reserved(hidden: int) -> tuple[int, ...]:
     """Every reserved coordinate (what the copy circuit's random bases must avoid)."""
-    return tuple(range(hidden - 3 * CODE_DIM - len(SINGLES), hidden))
+    return tuple(range(hidden - len(CODES) * CODE_DIM - len(SINGLES), hidden))
 
 
 def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, seed: int) -> None:
@@ -159,6 +159,12 @@ def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list
     attn.o_proj.weight[dst, head * hd + torch.arange(len(dst))] = 1.0
 
 
+def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
+    """(layer, head) of every head this module builds."""
+    return ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
+            (shape.reader_layer, shape.reader_head))
+
+
 def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
     """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the code and
     self heads' positional queries and keys, and every built head's output, at the residual's own RMS where it
@@ -168,8 +174,7 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
     for h in (shape.code_head, shape.self_head):
         scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
         scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
-    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
-                        (shape.reader_layer, shape.reader_head)):
+    for layer, head in _built_heads(shape):
         o = model.model.layers[layer].self_attn.o_proj.weight
         scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
 
@@ -189,8 +194,7 @@ def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list
         out += [(layer.self_attn.o_proj.weight, (coords,)), (layer.mlp.down_proj.weight, (coords,)),
                 (layer.input_layernorm.weight, (coords,)), (layer.post_attention_layernorm.weight, (coords,))]
     out.append((model.model.norm.weight, (coords,)))
-    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
-                        (shape.reader_layer, shape.reader_head)):
+    for layer, head in _built_heads(shape):
         attn, rows = model.model.layers[layer].self_attn, slice(head * hd, (head + 1) * hd)
         out += [(attn.q_proj.weight, (rows,)), (attn.k_proj.weight, (rows,)), (attn.v_proj.weight, (rows,)),
                 (attn.o_proj.weight, (slice(None), rows))]
