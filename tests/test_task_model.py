@@ -199,26 +199,38 @@ TINY = task_model.TaskModelSpec(hidden_size=64, intermediate_size=128, num_layer
                                 flag=None, scale_circuit=False)
 
 
-def _induction_hits(spec: task_model.TaskModelSpec) -> float:
-    """How often the copy heads, at init, look exactly where an induction head must: on a random token string
-    repeated once, from each token of the repeat at the token after its earlier copy (the brute-force answer)."""
+def _induction_hits(spec: task_model.TaskModelSpec, alphabet: int = task_model.TASK_VOCAB_SIZE,
+                    context: int = 1) -> float:
+    """How often the copy heads, at init (at the residual's scale, as in training), look exactly where an
+    induction head must: on a random token string (from `alphabet` tokens) repeated once, from each token of
+    the repeat at the token after the one earlier position whose `context` tokens before it match the query's
+    last `context` tokens (the brute-force answer; positions without one such match are not counted)."""
     model, _ = task_model.new_model(spec)
     layer = model.model.layers[copy_circuit.copy_layer(spec)].self_attn
     seen = {}
     layer.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0], cos=args[1], sin=args[2]))
-    first = torch.randint(len(task_model.SPECIAL_TOKENS), task_model.TASK_VOCAB_SIZE, (60,),
+    first = torch.randint(len(task_model.SPECIAL_TOKENS), len(task_model.SPECIAL_TOKENS) + alphabet, (60,),
                           generator=torch.Generator().manual_seed(0))
     ids = torch.cat((torch.tensor([task_model.BOS_ID]), first, first))[None]  # position i + 60 repeats i
+    scale = task_model.circuit_scale(spec, model)
     with torch.no_grad():
         model(ids)
+        if scale is not None:  # the built gains at the residual's scale, as in training
+            scale.apply()
+            scale.remove()
+            model(ids)
         x, hd = seen["x"], spec.head_dim
         qkv = torch.nn.functional.linear(x, torch.cat((layer.q_proj.weight, layer.k_proj.weight)))
         qkv = apply_rope(qkv.view(1, ids.shape[1], -1, hd), seen["cos"], seen["sin"])
+    seq = ids[0].tolist()
     hits = []
     for h in copy_circuit.copy_heads(spec):
         kv = spec.num_heads + h // (spec.num_heads // spec.num_kv_heads)
         scores = (qkv[0, :, h] @ qkv[0, :, kv].T).tril() + torch.full((121, 121), -1e9).triu(1)
-        hits += [int(scores[i].argmax()) == i - 59 for i in range(61, 121)]
+        for i in range(61, 121):
+            match = [j for j in range(context, i + 1) if seq[j - context:j] == seq[i - context + 1:i + 1]]
+            if match == [i - 59]:
+                hits.append(int(scores[i].argmax()) == i - 59)
     return sum(hits) / len(hits)
 
 
@@ -231,6 +243,47 @@ def test_built_induction_heads_find_the_earlier_copy():
     import dataclasses
 
     assert _induction_hits(dataclasses.replace(spec, probe_weight=0.0)) < 0.1
+
+
+def test_code_induction_matches_two_tokens():
+    """With code_match the copy heads match the token before and the one before that, on the flag circuit's
+    fixed token codes: on a string of 24 distinct tokens (each token recurs, most pairs do not) they find the one
+    earlier position that continues this pair, where a one-token match (code_match 0) is split between several."""
+    import dataclasses
+
+    spec = dataclasses.replace(task_model.TASK_SPECS["demo-task"], code_match=3.0)
+    assert _induction_hits(spec, alphabet=24, context=2) >= 0.9
+    assert _induction_hits(dataclasses.replace(spec, code_match=0.0), alphabet=24, context=2) < 0.6
+
+
+def test_copied_code_names_the_copied_token():
+    """With code_gain the copy heads also write the attended token's fixed code, which the tied embeddings read:
+    at init, on a rag session, where the answer copies a span whose two-token context is unique in the
+    sequence, that output raises the copied token's logit above every other token's (the brute-force source
+    from copy_sources is the reference)."""
+    import dataclasses
+
+    from twospeed.model.flag_circuit import layout
+
+    tokenizer = task_model.build_task_tokenizer()
+    spec = dataclasses.replace(task_model.TASK_SPECS["demo-task"], code_match=3.0, code_gain=10.0)
+    model, _ = task_model.new_model(spec, tokenizer)
+    scale = task_model.circuit_scale(spec, model)
+    seq = task_model.render(task_corpus.session("rag", random.Random("copied-code")), tokenizer, False)
+    ids = torch.tensor([seq.ids])
+    o = model.model.layers[-1].self_attn.o_proj.weight
+    codes = layout(spec.hidden_size)["code"]
+    with torch.no_grad():
+        model(ids)
+        scale.apply()
+        scale.remove()
+        with_codes = model.logits(model(ids))[0]
+        o[codes] = 0.0
+        boost = with_codes - model.logits(model(ids))[0]
+    unique = [q for q, j in seq.sources.items() if [k for k in range(2, q) if seq.ids[k - 2:k] == seq.ids[q - 2:q]] == [j]]
+    assert len(unique) >= 5, unique
+    wins = [int(boost[q - 1].argmax()) == seq.ids[q] for q in unique]  # the prediction at q - 1 is token q
+    assert sum(wins) / len(wins) >= 0.9, (sum(wins), len(wins))
 
 
 def test_probe_output_is_what_the_copy_heads_write():
@@ -323,8 +376,9 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuit: 70 reserved coordinates, 17 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=200, intermediate_size=128, num_layers=2, num_heads=4,
+# Small enough to train in seconds, large enough for the circuits: 136 reserved coordinates beside 128 learnt (the
+# copy heads' bases need two head_dims of them), 19 slow RoPE planes.
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=264, intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 

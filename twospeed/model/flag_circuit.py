@@ -11,9 +11,10 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   special tokens, one of which opens every sequence. The rule ends with its topic word and ';'
   (lab/task_corpus.py).
 - Layer 0: a code head (previous-token attention) copies the previous token's CODE and SINK into PREV_CODE and
-  PREV_SINK; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE and CUR_SEMI. Later
-  layers read these copies, which are written at the residual's scale (model/circuit_scale.py), not the
-  embedding entries, which a growing residual would drown.
+  PREV_SINK; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE and CUR_SEMI; a back-2
+  head copies the CODE two tokens back into PREV2_CODE (for the copy heads' two-token match,
+  copy_circuit.init_code_induction). Later layers read these copies, which are written at the residual's scale
+  (model/circuit_scale.py), not the embedding entries, which a growing residual would drown.
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
   it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Its query
   also finds PREV_SINK at a fixed share of an exact match's score, above a chance match's, so a word that
@@ -38,6 +39,7 @@ from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
+CODES = ("code", "prev_code", "cur_code", "prev2_code")  # the code and its copies, CODE_DIM coordinates each
 SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever")  # one coordinate each
 
 
@@ -71,6 +73,7 @@ class FlagShape:
     reader_head: int = 3
     code_head: int = 1  # layer 0's head that copies the previous token's code (head 0 is the copy circuit's)
     self_head: int = 2  # layer 0's head that copies this token's code, ONE and SEMI, at the residual's scale
+    back2_head: int = 3  # layer 0's head that copies the code two tokens back (the copy heads' two-token match)
     focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
     mark: float = 4.0  # size of a reserved embedding entry, in the embeddings' initial standard deviations
     sharpness: float = 3.0  # the flag head's match
@@ -81,15 +84,14 @@ class FlagShape:
 
 def layout(hidden: int) -> dict[str, list[int]]:
     """The reserved coordinates by role, at the end of the residual."""
-    start = hidden - 3 * CODE_DIM - len(SINGLES)
-    out = {name: list(range(start + i * CODE_DIM, start + (i + 1) * CODE_DIM))
-           for i, name in enumerate(("code", "prev_code", "cur_code"))}
-    return out | {name: [start + 3 * CODE_DIM + i] for i, name in enumerate(SINGLES)}
+    start = hidden - len(CODES) * CODE_DIM - len(SINGLES)
+    out = {name: list(range(start + i * CODE_DIM, start + (i + 1) * CODE_DIM)) for i, name in enumerate(CODES)}
+    return out | {name: [start + len(CODES) * CODE_DIM + i] for i, name in enumerate(SINGLES)}
 
 
 def reserved(hidden: int) -> tuple[int, ...]:
     """Every reserved coordinate (what the copy circuit's random bases must avoid)."""
-    return tuple(range(hidden - 3 * CODE_DIM - len(SINGLES), hidden))
+    return tuple(range(hidden - len(CODES) * CODE_DIM - len(SINGLES), hidden))
 
 
 def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, seed: int) -> None:
@@ -121,10 +123,13 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
             layer.mlp.down_proj.weight[coords] = 0.0
         first = model.model.layers[0].self_attn
         prev_q, prev_k = first.q_proj.weight[:hd].clone(), first.k_proj.weight[:hd].clone()
-        # the code head looks one token back (head 0's query and key), the self head at this token (key as query)
+        back2_q = _looking_back(prev_k, model.inv_freq, 2)
+        # the code head looks one token back (head 0's query and key), the self head at this token (key as
+        # query), the back-2 head two tokens back
         for h, q, moves in ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
                             (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"),
-                                                       ("semi", "cur_semi")))):
+                                                       ("semi", "cur_semi"))),
+                            (shape.back2_head, back2_q, (("code", "prev2_code"),))):
             _clear_head(first, h, hd)
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
             first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
@@ -145,6 +150,16 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         _move(attn, h, hd, [at["flag"]], [at["lever"]])
 
 
+def _looking_back(key: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:
+    """The query that, against the positional `key` (one constant column in RoPE's fast planes), peaks
+    `offset` positions back: each plane's key entry turned by -offset x its frequency."""
+    half = key.shape[0] // 2
+    q = torch.zeros_like(key)
+    amp, angle = key[:half], -offset * inv_freq[:, None]
+    q[:half], q[half:] = amp * torch.cos(angle), amp * torch.sin(angle)
+    return q
+
+
 def _clear_head(attn, head: int, hd: int) -> None:
     """Zero one head's weights (the circuit's heads have a kv head each: num_kv_heads == num_heads)."""
     for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
@@ -159,17 +174,22 @@ def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list
     attn.o_proj.weight[dst, head * hd + torch.arange(len(dst))] = 1.0
 
 
+def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
+    """(layer, head) of every head this module builds."""
+    return ((0, shape.code_head), (0, shape.self_head), (0, shape.back2_head), (shape.flag_layer, shape.flag_head),
+            (shape.reader_layer, shape.reader_head))
+
+
 def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
     """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the code and
     self heads' positional queries and keys, and every built head's output, at the residual's own RMS where it
     is read (so the reserved coordinates keep their share after each norm)."""
     hd, layers = model.cfg.head_dim, len(model.model.layers)
     first = model.model.layers[0].self_attn
-    for h in (shape.code_head, shape.self_head):
+    for h in (shape.code_head, shape.self_head, shape.back2_head):
         scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
         scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
-    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
-                        (shape.reader_layer, shape.reader_head)):
+    for layer, head in _built_heads(shape):
         o = model.model.layers[layer].self_attn.o_proj.weight
         scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
 
@@ -189,8 +209,7 @@ def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list
         out += [(layer.self_attn.o_proj.weight, (coords,)), (layer.mlp.down_proj.weight, (coords,)),
                 (layer.input_layernorm.weight, (coords,)), (layer.post_attention_layernorm.weight, (coords,))]
     out.append((model.model.norm.weight, (coords,)))
-    for layer, head in ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
-                        (shape.reader_layer, shape.reader_head)):
+    for layer, head in _built_heads(shape):
         attn, rows = model.model.layers[layer].self_attn, slice(head * hd, (head + 1) * hd)
         out += [(attn.q_proj.weight, (rows,)), (attn.k_proj.weight, (rows,)), (attn.v_proj.weight, (rows,)),
                 (attn.o_proj.weight, (slice(None), rows))]

@@ -43,10 +43,11 @@ from twospeed.config import ModelConfig, cache_root
 from twospeed.lab import task_corpus
 from twospeed.model.builtin import TASK_NAMES
 from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
-from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_copy_head,
-                                        init_induction_head, init_previous_token_head)
+from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_code_induction,
+                                        init_copy_head, init_induction_head, init_previous_token_head)
 from twospeed.model.circuit_scale import CircuitScale, level_embeddings
-from twospeed.model.flag_circuit import FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, reserved
+from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
+                                         reserved)
 from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
@@ -62,7 +63,7 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 360  # 256 learnt + 104 reserved for the refusal circuit (model/flag_circuit.py)
+    hidden_size: int = 392  # 256 learnt + 136 reserved for the built circuits' codes (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
     num_heads: int = 4
@@ -94,6 +95,9 @@ class TaskModelSpec:
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
     flag: FlagShape | None = FlagShape()  # the built refusal circuit (model/flag_circuit.py); None: none
+    code_match: float = 0.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
+    #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
+    code_gain: float = 0.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
@@ -315,6 +319,9 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
             init_copy_head(model, spec.seed, gain=spec.copy_gain, heads=spec.copy_heads, layer=copy_layer(spec))
         if spec.flag is not None:
             init_flag_circuit(model, flag_tokens(tokenizer or build_task_tokenizer()), spec.flag, spec.seed)
+            if spec.code_match > 0:
+                init_code_induction(model, layout(spec.hidden_size), spec.copy_heads, spec.code_match,
+                                    copy_layer(spec), spec.seed, spec.code_gain)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
