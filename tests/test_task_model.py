@@ -245,15 +245,16 @@ def test_built_induction_heads_find_the_earlier_copy():
     assert _induction_hits(dataclasses.replace(spec, probe_weight=0.0)) < 0.1
 
 
-def test_code_induction_matches_two_tokens():
-    """With code_match the copy heads match the token before and the one before that, on the flag circuit's
-    fixed token codes: on a string of 24 distinct tokens (each token recurs, most pairs do not) they find the one
-    earlier position that continues this pair, where a one-token match (code_match 0) is split between several."""
+def test_code_induction_matches_three_tokens():
+    """The copy heads match the token before and the two before that, on the flag circuit's fixed token codes:
+    on a string of 8 distinct tokens (pairs recur, most triples do not) they find the one earlier position that
+    continues this triple, where a two-token match is split between the pair's several continuations."""
     import dataclasses
 
-    spec = dataclasses.replace(task_model.TASK_SPECS["demo-task"], code_match=3.0)
-    assert _induction_hits(spec, alphabet=24, context=2) >= 0.9
-    assert _induction_hits(dataclasses.replace(spec, code_match=0.0), alphabet=24, context=2) < 0.6
+    spec = task_model.TASK_SPECS["demo-task"]
+    assert spec.code_context == 3 and spec.flag.back3_head is not None
+    assert _induction_hits(spec, alphabet=8, context=3) >= 0.9
+    assert _induction_hits(dataclasses.replace(spec, code_context=2), alphabet=8, context=3) < 0.7
 
 
 def test_copied_code_names_the_copied_token():
@@ -266,7 +267,8 @@ def test_copied_code_names_the_copied_token():
     from twospeed.model.flag_circuit import layout
 
     tokenizer = task_model.build_task_tokenizer()
-    spec = dataclasses.replace(task_model.TASK_SPECS["demo-task"], code_match=3.0, code_gain=10.0)
+    spec = task_model.TASK_SPECS["demo-task"]
+    assert spec.code_match > 0 and spec.code_gain > 0
     model, _ = task_model.new_model(spec, tokenizer)
     scale = task_model.circuit_scale(spec, model)
     seq = task_model.render(task_corpus.session("rag", random.Random("copied-code")), tokenizer, False)
@@ -376,9 +378,9 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuits: 136 reserved coordinates beside 128 learnt (the
+# Small enough to train in seconds, large enough for the circuits: 169 reserved coordinates beside 128 learnt (the
 # copy heads' bases need two head_dims of them), 19 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=264, intermediate_size=128, num_layers=2, num_heads=4,
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=297, intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 
@@ -392,8 +394,9 @@ def _lever(model, tokenizer, prompt: str) -> float:
 
 
 def test_flag_circuit_finds_the_forbidden_topic_before_training():
-    """Built, untrained: the lever is up on requests for the forbidden topic and down on every other request to
-    the same kind of desk (notes, other topics), the corpus' own labels being the reference."""
+    """Built, untrained: where the answer starts the lever is up on requests for the forbidden topic and down on
+    every other request to the same kind of desk (notes, other topics), the corpus' own labels being the
+    reference; before that token (no cue yet) a request that names no forbidden topic leaves it at zero."""
     tokenizer = task_model.build_task_tokenizer()
     spec = task_model.TASK_SPECS["demo-task"]
     model, _ = task_model.new_model(spec, tokenizer)
@@ -403,10 +406,12 @@ def test_flag_circuit_finds_the_forbidden_topic_before_training():
     scale.apply()
     scale.remove()
     refused = [_lever(model, tokenizer, task_corpus.sample("refusal", rng).prompt) for _ in range(30)]
-    answered = [_lever(model, tokenizer, task_corpus.sample("chat", rng).prompt) for _ in range(30)]
-    assert min(refused) > 0.05, sorted(refused)
-    assert sorted(answered)[-2] < 0.1 * min(refused), (sorted(refused), sorted(answered))  # a chance match may
-    #                                                                          flag a word now and then
+    chats = [task_corpus.sample("chat", rng).prompt for _ in range(30)]
+    answered = [_lever(model, tokenizer, p) for p in chats]
+    assert min(refused) > 0.02, sorted(refused)
+    assert sorted(answered)[-2] < -0.02, (sorted(refused), sorted(answered))  # a chance match may flag a word
+    before_cue = [_lever(model, tokenizer, p[:-len("ASSISTANT:")]) for p in chats]
+    assert sorted(abs(x) for x in before_cue)[-2] < 0.5 * min(refused), (min(refused), sorted(before_cue)[-4:])
 
 
 def test_flag_tokens_are_whole_words():
@@ -417,6 +422,7 @@ def test_flag_tokens_are_whole_words():
     assert [tokenizer.decode([i]).strip() for i in tokens.refuse] == [task_corpus.REFUSAL_WORD] * 2
     assert [tokenizer.decode([i]).strip() for i in tokens.answer] == [task_corpus.ANSWER_WORD] * 2
     assert [tokenizer.decode([i]) for i in tokens.marks] == [";"]
+    assert sorted(tokenizer.decode([i]) for i in tokens.cues) == ["ASSISTANT", "ant"]  # "assistant" is as+sist+ant
 
 
 @pytest.mark.task_model  # trains a tiny spec

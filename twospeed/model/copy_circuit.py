@@ -115,7 +115,7 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
 
 
 def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int, sharpness: float,
-                        layer: int, seed: int, code_gain: float = 0.0) -> None:
+                        layer: int, seed: int, code_gain: float = 0.0, context: int = 2) -> None:
     """Turn the induction heads' match from one token to two, on the fixed token codes of the reserved
     coordinates (model/flag_circuit.py): at i the query reads this token's and the previous token's codes, at j
     the key reads the previous and the one-before's, each pair in its own half of RoPE's slow planes. So "[P"
@@ -133,7 +133,8 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
     slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]
     match, still = slow[:-1], slow[-1]
-    pairs = ((match[0::2], "cur_code", "prev_code"), (match[1::2], "prev_code", "prev2_code"))
+    codes = ("cur_code", "prev_code", "prev2_code", "prev3_code")[:context + 1]
+    pairs = tuple((match[n::context], codes[n], codes[n + 1]) for n in range(context))
     attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():

@@ -38,9 +38,10 @@ import torch
 from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
+CUE_ROW = 40  # the code head's value row that carries the previous token's CUE (rows 0-32 carry CODE and SINK)
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
-CODES = ("code", "prev_code", "cur_code", "prev2_code")  # the code and its copies, CODE_DIM coordinates each
-SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever")  # one coordinate each
+CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code")  # the code and its copies, CODE_DIM each
+SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue")  # one coordinate each
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +52,19 @@ class FlagTokens:
     refuse: tuple[int, ...]  # a refusal's first token, with and without its leading space
     answer: tuple[int, ...]  # an allowed request's first token, likewise
     sinks: tuple[int, ...]  # the special tokens (a sequence opens with one)
+    cues: tuple[int, ...] = ()  # the tokens before the one where the answer starts ("ASSISTANT" of "ASSISTANT:")
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int) -> FlagTokens:
+    def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int,
+                       answer_cues: tuple[str, ...] = ()) -> FlagTokens:
         vocab = tokenizer.get_vocab()
         marks = tuple(sorted(i for i in vocab.values() if ";" in tokenizer.decode([i])))
 
         def firsts(word: str) -> tuple[int, ...]:
             return tuple(sorted({tokenizer.encode(w, add_special_tokens=False).ids[0] for w in (word, " " + word)}))
 
-        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)))
+        cues = tuple(sorted({tokenizer.encode(c, add_special_tokens=False).ids[-2] for c in answer_cues}))
+        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)), cues)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +78,16 @@ class FlagShape:
     code_head: int = 1  # layer 0's head that copies the previous token's code (head 0 is the copy circuit's)
     self_head: int = 2  # layer 0's head that copies this token's code, ONE and SEMI, at the residual's scale
     back2_head: int = 3  # layer 0's head that copies the code two tokens back (the copy heads' two-token match)
+    back3_head: int | None = None  # layer 0's head that copies the code three tokens back (a three-token match);
+    #                                 0 takes the copy circuit's previous-token head, which a code match leaves unread
     focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
     mark: float = 4.0  # size of a reserved embedding entry, in the embeddings' initial standard deviations
     sharpness: float = 3.0  # the flag head's match
     sink: float = 0.6  # the sink's score, as a share of an exact match's
     reader_sharpness: float = 30.0
     lever: float = 2.0  # the first tokens' starting LEVER entries (+ refusal, - answer)
+    threshold: float = 0.0  # LEVER where the answer starts, before the reader adds the flag (in FLAG's units):
+    #                         signed, so with no flag it pushes the answer, not nothing
 
 
 def layout(hidden: int) -> dict[str, list[int]]:
@@ -116,6 +124,7 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         emb[:, at["one"]] = mark
         emb[list(tokens.sinks), at["sink"][0]] = mark
         emb[list(tokens.marks), at["semi"][0]] = mark
+        emb[list(tokens.cues), at["cue"][0]] = mark
         emb[list(tokens.refuse), at["lever"][0]] = shape.lever
         emb[list(tokens.answer), at["lever"][0]] = -shape.lever
         for layer in model.model.layers:  # nothing learnt writes a reserved coordinate
@@ -123,17 +132,22 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
             layer.mlp.down_proj.weight[coords] = 0.0
         first = model.model.layers[0].self_attn
         prev_q, prev_k = first.q_proj.weight[:hd].clone(), first.k_proj.weight[:hd].clone()
-        back2_q = _looking_back(prev_k, model.inv_freq, 2)
+        back2_q, back3_q = (_looking_back(prev_k, model.inv_freq, n) for n in (2, 3))
         # the code head looks one token back (head 0's query and key), the self head at this token (key as
-        # query), the back-2 head two tokens back
-        for h, q, moves in ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
-                            (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"),
-                                                       ("semi", "cur_semi"))),
-                            (shape.back2_head, back2_q, (("code", "prev2_code"),))):
+        # query), the back-2 and back-3 heads two and three tokens back
+        heads = ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
+                 (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"), ("semi", "cur_semi"))),
+                 (shape.back2_head, back2_q, (("code", "prev2_code"),)))
+        if shape.back3_head is not None:
+            heads += ((shape.back3_head, back3_q, (("code", "prev3_code"),)),)
+        for h, q, moves in heads:
             _clear_head(first, h, hd)
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
             first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
             _move(first, h, hd, [at[a] for a, _ in moves], [at[b] for _, b in moves])
+        if shape.threshold:  # where the answer starts (the token after a cue), LEVER starts at -threshold
+            first.v_proj.weight[shape.code_head * hd + CUE_ROW, at["cue"][0]] = 1.0
+            first.o_proj.weight[at["lever"][0], shape.code_head * hd + CUE_ROW] = -shape.threshold
         # the flag head: this token's code against every position's previous one (or the sink), SEMI into FLAG
         attn, h = model.model.layers[shape.flag_layer].self_attn, shape.flag_head
         _clear_head(attn, h, hd)
@@ -176,8 +190,9 @@ def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list
 
 def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
     """(layer, head) of every head this module builds."""
-    return ((0, shape.code_head), (0, shape.self_head), (0, shape.back2_head), (shape.flag_layer, shape.flag_head),
-            (shape.reader_layer, shape.reader_head))
+    back3 = () if shape.back3_head is None else ((0, shape.back3_head),)
+    return ((0, shape.code_head), (0, shape.self_head), (0, shape.back2_head)) + back3 + (
+        (shape.flag_layer, shape.flag_head), (shape.reader_layer, shape.reader_head))
 
 
 def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
@@ -186,12 +201,15 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
     is read (so the reserved coordinates keep their share after each norm)."""
     hd, layers = model.cfg.head_dim, len(model.model.layers)
     first = model.model.layers[0].self_attn
-    for h in (shape.code_head, shape.self_head, shape.back2_head):
+    for h in (shape.code_head, shape.self_head, shape.back2_head) + (() if shape.back3_head is None else (shape.back3_head,)):
         scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
         scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
     for layer, head in _built_heads(shape):
         o = model.model.layers[layer].self_attn.o_proj.weight
         scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
+    if shape.threshold:  # read at the final norm, beside the reader's output: at the same scale as it
+        lever = layout(model.cfg.hidden_size)["lever"][0]
+        scale.add(first.o_proj.weight, (lever, shape.code_head * hd + CUE_ROW), layers, absolute=True)
 
 
 def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list[tuple[torch.Tensor, tuple]]:

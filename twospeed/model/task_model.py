@@ -53,8 +53,8 @@ from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
 TASK_VERSION = "task-v8"
-TASK_VOCAB_SIZE = 4096
-SPLIT_DIGITS = True  # ids, passage numbers and values are spelt digit by digit (model/demo.py)
+TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
+DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
 
@@ -63,7 +63,7 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 392  # 256 learnt + 136 reserved for the built circuits' codes (model/flag_circuit.py)
+    hidden_size: int = 428  # 259 learnt + 169 reserved for the built circuits' codes (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
     num_heads: int = 4
@@ -94,10 +94,11 @@ class TaskModelSpec:
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
-    flag: FlagShape | None = FlagShape()  # the built refusal circuit (model/flag_circuit.py); None: none
-    code_match: float = 0.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
+    flag: FlagShape | None = FlagShape(back3_head=0, threshold=0.12, lever=30.0)  # the built refusal circuit (model/flag_circuit.py); None: none
+    code_match: float = 3.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
     #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
-    code_gain: float = 0.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
+    code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
+    code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
@@ -139,7 +140,7 @@ def build_task_tokenizer():
         session = task_corpus.session(task_corpus.LANES[i % len(task_corpus.LANES)], rng)
         texts += [session.prefix] + [e.prompt[len(session.prefix):] + e.answer for e in session.examples]
         texts += [e.answer.lstrip(" ") for e in session.examples[:1]]  # as the chat template starts an answer
-    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, SPLIT_DIGITS)
+    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, DIGIT_GROUP)
 
 
 def tokenizer_config(spec: TaskModelSpec) -> dict:
@@ -301,7 +302,8 @@ def lr_at(spec: TaskModelSpec, step: int) -> float:
 
 
 def flag_tokens(tokenizer) -> FlagTokens:
-    return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS))
+    return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS),
+                                     task_corpus.ANSWER_CUES)
 
 
 def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.optim.Optimizer]:
@@ -321,7 +323,7 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
             init_flag_circuit(model, flag_tokens(tokenizer or build_task_tokenizer()), spec.flag, spec.seed)
             if spec.code_match > 0:
                 init_code_induction(model, layout(spec.hidden_size), spec.copy_heads, spec.code_match,
-                                    copy_layer(spec), spec.seed, spec.code_gain)
+                                    copy_layer(spec), spec.seed, spec.code_gain, spec.code_context)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
