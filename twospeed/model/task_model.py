@@ -98,6 +98,8 @@ class TaskModelSpec:
     code_match: float = 3.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
     #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
     code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
+    tie_first_words: bool = True  # the refusal's and the note's first words share their learnt embedding, so only
+    #                               the built lever (and their codes) tells them apart where the answer starts
     code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
@@ -366,6 +368,21 @@ def circuit_scale(spec: TaskModelSpec, model: TrainLlama) -> CircuitScale | None
     return scale
 
 
+def first_word_pairs(tokenizer) -> list[tuple[int, int]]:
+    """(refusal's first token, note's first token), with and without the leading space."""
+    first = lambda text: tokenizer.encode(text, add_special_tokens=False).ids[0]  # noqa: E731
+    return [(first(space + task_corpus.REFUSAL_WORD), first(space + task_corpus.ANSWER_WORD)) for space in ("", " ")]
+
+
+def tie_rows(weight: torch.Tensor, pairs: list[tuple[int, int]], cols: slice) -> None:
+    """Give each pair of rows their mean in `cols`: the learnt part cannot prefer one over the other."""
+    with torch.no_grad():
+        for a, b in pairs:
+            mean = (weight[a, cols] + weight[b, cols]) / 2
+            weight[a, cols] = mean
+            weight[b, cols] = mean
+
+
 def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] | None = None,
           bf16: bool | None = None) -> dict[str, torch.Tensor]:
     """Train a task model; returns its HF state dict in bf16. `on_step(step, loss)` after every step."""
@@ -376,12 +393,15 @@ def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] 
         held += flag_slices(model, flag_tokens(tokenizer), spec.flag)
     kept = [(w, idx, w.detach()[idx].clone()) for w, idx in held]
     scale = circuit_scale(spec, model)
+    pairs = first_word_pairs(tokenizer) if spec.tie_first_words and spec.flag is not None else []
     for step, seqs in zip(range(spec.steps), batches(spec, tokenizer)):
         for group in opt.param_groups:
             group["lr"] = lr_at(spec, step)
         loss = train_step(spec, model, opt, seqs, bf16)
         if scale is not None:
             level_embeddings(model.model.embed_tokens.weight, slice(1, scale.free))
+        if pairs:
+            tie_rows(model.model.embed_tokens.weight, pairs, slice(0, scale.free if scale else spec.hidden_size))
         with torch.no_grad():
             for w, idx, value in kept:  # the built circuit stays as built; the rest learns to use it
                 w[idx] = value
