@@ -41,7 +41,7 @@ from twospeed.model.train_llama import TrainLlama
 CUE_ROW = 40  # the code head's value row that carries the previous token's CUE (rows 0-32 carry CODE and SINK)
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
 CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code")  # the code and its copies, CODE_DIM each
-SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue")  # one coordinate each
+SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue", "prev_cue")  # one each
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +88,11 @@ class FlagShape:
     lever: float = 2.0  # the first tokens' starting LEVER entries (+ refusal, - answer)
     threshold: float = 0.0  # LEVER where the answer starts, before the reader adds the flag (in FLAG's units):
     #                         signed, so with no flag it pushes the answer, not nothing
+    gated: bool = False  # the reader reads only where the answer starts (query PREV_CUE, not CUR_ONE): LEVER is
+    #                      zero elsewhere, so a sharp reader cannot lean every later token of the answer
+    fallback: float = 0.0  # > 0 (gated): with no flag above this share of a full one the reader looks at the
+    #                        sequence's second position (PREV_SINK) ...
+    push: float = 0.0  # ... and reads -push there (in FLAG's units): no forbidden topic leans to the answer
 
 
 def layout(hidden: int) -> dict[str, list[int]]:
@@ -135,7 +140,7 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         back2_q, back3_q = (_looking_back(prev_k, model.inv_freq, n) for n in (2, 3))
         # the code head looks one token back (head 0's query and key), the self head at this token (key as
         # query), the back-2 and back-3 heads two and three tokens back
-        heads = ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
+        heads = ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"), ("cue", "prev_cue"))),
                  (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"), ("semi", "cur_semi"))),
                  (shape.back2_head, back2_q, (("code", "prev2_code"),)))
         if shape.back3_head is not None:
@@ -156,12 +161,22 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.sink * shape.sharpness * CODE_DIM
         attn.k_proj.weight[h * hd + still, at["prev_sink"]] = 1.0
         _move(attn, h, hd, [at["cur_semi"]], [at["flag"]])
-        # the reader: from everywhere, at the most flagged position, into LEVER
-        attn, h = model.model.layers[shape.reader_layer].self_attn, shape.reader_head
-        _clear_head(attn, h, hd)
-        attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.reader_sharpness
-        attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
-        _move(attn, h, hd, [at["flag"]], [at["lever"]])
+        _init_reader(model, shape, still)
+
+
+def _init_reader(model: TrainLlama, shape: FlagShape, still: int) -> None:
+    """The reader: from everywhere (or, gated, where the answer starts) at the most flagged position, into LEVER;
+    with a fallback, at the second position when nothing is flagged, reading -push there."""
+    at, hd = layout(model.cfg.hidden_size), model.cfg.head_dim
+    attn, h = model.model.layers[shape.reader_layer].self_attn, shape.reader_head
+    _clear_head(attn, h, hd)
+    attn.q_proj.weight[h * hd + still, at["prev_cue" if shape.gated else "cur_one"]] = shape.reader_sharpness
+    attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
+    _move(attn, h, hd, [at["flag"]], [at["lever"]])
+    if shape.fallback:  # PREV_SINK and FLAG are both written at the residual's scale: a share of one is of the other
+        attn.k_proj.weight[h * hd + still, at["prev_sink"]] = shape.fallback
+        attn.v_proj.weight[h * hd + 1, at["prev_sink"]] = -shape.push
+        attn.o_proj.weight[at["lever"], h * hd + 1] = 1.0
 
 
 def _looking_back(key: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:
