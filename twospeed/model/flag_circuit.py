@@ -93,6 +93,10 @@ class FlagShape:
     fallback: float = 0.0  # > 0 (gated): with no flag above this share of a full one the reader looks at the
     #                        sequence's second position (PREV_SINK) ...
     push: float = 0.0  # ... and reads -push there (in FLAG's units): no forbidden topic leans to the answer
+    reader_gain: float = 1.0  # what the reader writes into LEVER, in FLAG's units: the lever's strength can sit
+    #                           here rather than in the first tokens' entries, which a large entry would make
+    #                           all their embedding after the norm (the next token could not tell them apart)
+    learn_lever: bool = True  # the first tokens' LEVER entries learn; False: held as built
 
 
 def layout(hidden: int) -> dict[str, list[int]]:
@@ -173,10 +177,11 @@ def _init_reader(model: TrainLlama, shape: FlagShape, still: int) -> None:
     attn.q_proj.weight[h * hd + still, at["prev_cue" if shape.gated else "cur_one"]] = shape.reader_sharpness
     attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
     _move(attn, h, hd, [at["flag"]], [at["lever"]])
+    attn.o_proj.weight[at["lever"], h * hd] = shape.reader_gain
     if shape.fallback:  # PREV_SINK and FLAG are both written at the residual's scale: a share of one is of the other
         attn.k_proj.weight[h * hd + still, at["prev_sink"]] = shape.fallback
         attn.v_proj.weight[h * hd + 1, at["prev_sink"]] = -shape.push
-        attn.o_proj.weight[at["lever"], h * hd + 1] = 1.0
+        attn.o_proj.weight[at["lever"], h * hd + 1] = shape.reader_gain
 
 
 def _looking_back(key: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:
@@ -236,7 +241,7 @@ def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list
     lever = layout(cfg.hidden_size)["lever"][0]
     emb = model.model.embed_tokens.weight
     learnt = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    learnt[list(tokens.refuse + tokens.answer)] = True
+    learnt[list(tokens.refuse + tokens.answer)] = shape.learn_lever
     out = [(emb, (slice(None), [c for c in coords if c != lever])), (emb, ((~learnt).nonzero()[:, 0], lever))]
     for layer in model.model.layers:
         out += [(layer.self_attn.o_proj.weight, (coords,)), (layer.mlp.down_proj.weight, (coords,)),

@@ -94,13 +94,13 @@ class TaskModelSpec:
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
-    flag: FlagShape | None = FlagShape(back3_head=0, lever=8.0, sharpness=6.0, sink=0.72, reader_sharpness=300.0,
-                                       gated=True, fallback=0.5, push=0.3)  # the built refusal circuit
+    flag: FlagShape | None = FlagShape(back3_head=0, lever=0.5, sharpness=6.0, sink=0.72, reader_sharpness=300.0,
+                                       gated=True, fallback=0.5, push=0.5, reader_gain=8.0, learn_lever=False)  # the built refusal circuit
     #                                  (model/flag_circuit.py); None: none
     code_match: float = 3.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
     #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
     code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
-    tie_first_words: bool = True  # the refusal's and the note's first words share their learnt embedding, so only
+    tie_first_words: bool = False  # the refusal's and the note's first words share their learnt embedding, so only
     #                               the built lever (and their codes) tells them apart where the answer starts
     code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
