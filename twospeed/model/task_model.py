@@ -106,8 +106,8 @@ class TaskModelSpec:
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
-    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.3), ("rag", 0.3), ("nightly", 0.15),
-                                                   ("refusal", 0.1), ("chat", 0.15))
+    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.25), ("rag", 0.3), ("nightly", 0.1),
+                                                   ("refusal", 0.05), ("chat", 0.3))
     seed: int = 0
 
     def model_config(self) -> ModelConfig:
