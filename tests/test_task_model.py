@@ -138,12 +138,12 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# Not met yet (issue 14). Recipe task-v8 copies from the prompt (a built induction circuit) and refuses by a built
-# flag circuit (model/flag_circuit.py): agent json 95%, nightly codes 100%, refusal 95% with chats answered; but
-# rag cites a passage of its prompt ~67% of the time (the subject is not found, the copy strays between passages)
-# and the content decisions (which tool, which code) are constants. Held-out, bf16, greedy,
-# benchmarks/bench_task_model.py. strict: when the recipe reaches the bars this XPASSes and fails, so the marker
-# comes off.
+# Not met yet (issue 14). Recipe task-v9 copies from the prompt (built induction heads on a three-token code
+# match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 97.5%, nightly codes 100%,
+# refusal 100% with every chat answered; but rag cites a passage of its prompt ~80% of the time (a value the
+# match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
+# are constants. Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the recipe reaches the
+# bars this XPASSes and fails, so the marker comes off.
 NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's rag citations and content decisions miss the bars (issue 14)")
 
 
@@ -199,26 +199,38 @@ TINY = task_model.TaskModelSpec(hidden_size=64, intermediate_size=128, num_layer
                                 flag=None, scale_circuit=False)
 
 
-def _induction_hits(spec: task_model.TaskModelSpec) -> float:
-    """How often the copy heads, at init, look exactly where an induction head must: on a random token string
-    repeated once, from each token of the repeat at the token after its earlier copy (the brute-force answer)."""
+def _induction_hits(spec: task_model.TaskModelSpec, alphabet: int = task_model.TASK_VOCAB_SIZE,
+                    context: int = 1) -> float:
+    """How often the copy heads, at init (at the residual's scale, as in training), look exactly where an
+    induction head must: on a random token string (from `alphabet` tokens) repeated once, from each token of
+    the repeat at the token after the one earlier position whose `context` tokens before it match the query's
+    last `context` tokens (the brute-force answer; positions without one such match are not counted)."""
     model, _ = task_model.new_model(spec)
     layer = model.model.layers[copy_circuit.copy_layer(spec)].self_attn
     seen = {}
     layer.register_forward_pre_hook(lambda mod, args: seen.update(x=args[0], cos=args[1], sin=args[2]))
-    first = torch.randint(len(task_model.SPECIAL_TOKENS), task_model.TASK_VOCAB_SIZE, (60,),
+    first = torch.randint(len(task_model.SPECIAL_TOKENS), len(task_model.SPECIAL_TOKENS) + alphabet, (60,),
                           generator=torch.Generator().manual_seed(0))
     ids = torch.cat((torch.tensor([task_model.BOS_ID]), first, first))[None]  # position i + 60 repeats i
+    scale = task_model.circuit_scale(spec, model)
     with torch.no_grad():
         model(ids)
+        if scale is not None:  # the built gains at the residual's scale, as in training
+            scale.apply()
+            scale.remove()
+            model(ids)
         x, hd = seen["x"], spec.head_dim
         qkv = torch.nn.functional.linear(x, torch.cat((layer.q_proj.weight, layer.k_proj.weight)))
         qkv = apply_rope(qkv.view(1, ids.shape[1], -1, hd), seen["cos"], seen["sin"])
+    seq = ids[0].tolist()
     hits = []
     for h in copy_circuit.copy_heads(spec):
         kv = spec.num_heads + h // (spec.num_heads // spec.num_kv_heads)
         scores = (qkv[0, :, h] @ qkv[0, :, kv].T).tril() + torch.full((121, 121), -1e9).triu(1)
-        hits += [int(scores[i].argmax()) == i - 59 for i in range(61, 121)]
+        for i in range(61, 121):
+            match = [j for j in range(context, i + 1) if seq[j - context:j] == seq[i - context + 1:i + 1]]
+            if match == [i - 59]:
+                hits.append(int(scores[i].argmax()) == i - 59)
     return sum(hits) / len(hits)
 
 
@@ -231,6 +243,49 @@ def test_built_induction_heads_find_the_earlier_copy():
     import dataclasses
 
     assert _induction_hits(dataclasses.replace(spec, probe_weight=0.0)) < 0.1
+
+
+def test_code_induction_matches_three_tokens():
+    """The copy heads match the token before and the two before that, on the flag circuit's fixed token codes:
+    on a string of 8 distinct tokens (pairs recur, most triples do not) they find the one earlier position that
+    continues this triple, where a two-token match is split between the pair's several continuations."""
+    import dataclasses
+
+    spec = task_model.TASK_SPECS["demo-task"]
+    assert spec.code_context == 3 and spec.flag.back3_head is not None
+    assert _induction_hits(spec, alphabet=8, context=3) >= 0.9
+    assert _induction_hits(dataclasses.replace(spec, code_context=2), alphabet=8, context=3) < 0.7
+
+
+def test_copied_code_names_the_copied_token():
+    """With code_gain the copy heads also write the attended token's fixed code, which the tied embeddings read:
+    at init, on a rag session, where the answer copies a span whose two-token context is unique in the
+    sequence, that output raises the copied token's logit above every other token's (the brute-force source
+    from copy_sources is the reference)."""
+    import dataclasses
+
+    from twospeed.model.flag_circuit import layout
+
+    tokenizer = task_model.build_task_tokenizer()
+    spec = task_model.TASK_SPECS["demo-task"]
+    assert spec.code_match > 0 and spec.code_gain > 0
+    model, _ = task_model.new_model(spec, tokenizer)
+    scale = task_model.circuit_scale(spec, model)
+    seq = task_model.render(task_corpus.session("rag", random.Random("copied-code")), tokenizer, False)
+    ids = torch.tensor([seq.ids])
+    o = model.model.layers[-1].self_attn.o_proj.weight
+    codes = layout(spec.hidden_size)["code"]
+    with torch.no_grad():
+        model(ids)
+        scale.apply()
+        scale.remove()
+        with_codes = model.logits(model(ids))[0]
+        o[codes] = 0.0
+        boost = with_codes - model.logits(model(ids))[0]
+    unique = [q for q, j in seq.sources.items() if [k for k in range(2, q) if seq.ids[k - 2:k] == seq.ids[q - 2:q]] == [j]]
+    assert len(unique) >= 5, unique
+    wins = [int(boost[q - 1].argmax()) == seq.ids[q] for q in unique]  # the prediction at q - 1 is token q
+    assert sum(wins) / len(wins) >= 0.9, (sum(wins), len(wins))
 
 
 def test_probe_output_is_what_the_copy_heads_write():
@@ -323,8 +378,9 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuit: 70 reserved coordinates, 17 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=200, intermediate_size=128, num_layers=2, num_heads=4,
+# Small enough to train in seconds, large enough for the circuits: 169 reserved coordinates beside 128 learnt (the
+# copy heads' bases need two head_dims of them), 19 slow RoPE planes.
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=297, intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 
@@ -338,8 +394,9 @@ def _lever(model, tokenizer, prompt: str) -> float:
 
 
 def test_flag_circuit_finds_the_forbidden_topic_before_training():
-    """Built, untrained: the lever is up on requests for the forbidden topic and down on every other request to
-    the same kind of desk (notes, other topics), the corpus' own labels being the reference."""
+    """Built, untrained: where the answer starts the lever is up on requests for the forbidden topic and down on
+    every other request to the same kind of desk (notes, other topics), the corpus' own labels being the
+    reference; before that token (no cue yet) a request that names no forbidden topic leaves it at zero."""
     tokenizer = task_model.build_task_tokenizer()
     spec = task_model.TASK_SPECS["demo-task"]
     model, _ = task_model.new_model(spec, tokenizer)
@@ -349,10 +406,12 @@ def test_flag_circuit_finds_the_forbidden_topic_before_training():
     scale.apply()
     scale.remove()
     refused = [_lever(model, tokenizer, task_corpus.sample("refusal", rng).prompt) for _ in range(30)]
-    answered = [_lever(model, tokenizer, task_corpus.sample("chat", rng).prompt) for _ in range(30)]
-    assert min(refused) > 0.05, sorted(refused)
-    assert sorted(answered)[-2] < 0.1 * min(refused), (sorted(refused), sorted(answered))  # a chance match may
-    #                                                                          flag a word now and then
+    chats = [task_corpus.sample("chat", rng).prompt for _ in range(30)]
+    answered = [_lever(model, tokenizer, p) for p in chats]
+    assert min(refused) > 0.02, sorted(refused)
+    assert sorted(answered)[-2] < -0.02, (sorted(refused), sorted(answered))  # a chance match may flag a word
+    before_cue = [_lever(model, tokenizer, p[:-len("ASSISTANT:")]) for p in chats]
+    assert sorted(abs(x) for x in before_cue)[-2] < 0.5 * min(refused), (min(refused), sorted(before_cue)[-4:])
 
 
 def test_flag_tokens_are_whole_words():
@@ -363,18 +422,19 @@ def test_flag_tokens_are_whole_words():
     assert [tokenizer.decode([i]).strip() for i in tokens.refuse] == [task_corpus.REFUSAL_WORD] * 2
     assert [tokenizer.decode([i]).strip() for i in tokens.answer] == [task_corpus.ANSWER_WORD] * 2
     assert [tokenizer.decode([i]) for i in tokens.marks] == [";"]
+    assert sorted(tokenizer.decode([i]) for i in tokens.cues) == ["ASSISTANT", "ant"]  # "assistant" is as+sist+ant
 
 
 @pytest.mark.task_model  # trains a tiny spec
 def test_flag_circuit_stays_as_built():
     """Training moves the weights around the refusal circuit, not the circuit: its heads and every reserved
-    coordinate leave as they went in, but the first tokens' LEVER entries, which learn."""
+    coordinate leave as they went in."""
     tokenizer = task_model.build_task_tokenizer()
     model, _ = task_model.new_model(TINY_FLAG, tokenizer)
     before = {k: v.clone() for k, v in model.hf_state_dict().items()}
     after = task_model.train(TINY_FLAG, tokenizer, bf16=False)
     names = {id(p): n for n, p in model.named_parameters()}
-    slices = flag_circuit.flag_slices(model, task_model.flag_tokens(tokenizer), TINY_FLAG.flag)
+    slices = flag_circuit.flag_slices(model, TINY_FLAG.flag)
     for weight, index in slices:
         name = names[id(weight)]
         torch.testing.assert_close(after[name][index], before[name][index].to(torch.bfloat16), atol=0, rtol=0)

@@ -152,15 +152,17 @@ def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> Tas
 
 
 # -- rag ---------------------------------------------------------------------------------------------------
-# noun, statement (with {v}), question, value drawer
+# noun, statement (with {v}), question, value drawer. The question opens with " The <subject>", as the answer does:
+# the answer's subject is then a copy of the question's (the copy heads match the token before, model/copy_circuit.py),
+# not a lookup from the question to the passage that a small model does not learn.
 _FACTS: list[tuple[str, str, str, Callable[[random.Random], str]]] = [
-    ("contract", "renews on {v}", "When does the {s} renew", lambda r: f"20{r.randint(26, 39)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}"),
-    ("account", "is owned by {v}", "Who owns the {s}", _person),
-    ("invoice", "has a balance of ${v}", "What is the balance of the {s}", lambda r: f"{r.randint(100, 99999):,}"),
-    ("shipment", "leaves from {v}", "Where does the {s} leave from", lambda r: r.choice(_CITIES)),
-    ("project", "reports to team {v}", "Which team does the {s} report to", lambda r: r.choice(_TEAMS)),
-    ("cluster", "runs {v} replicas", "How many replicas does the {s} run", lambda r: str(r.randint(2, 64))),
-    ("warehouse", "is in bay {v}", "Which bay is the {s} in", lambda r: f"{r.choice('ABCDEFGH')}{r.randint(1, 40)}"),
+    ("contract", "renews on {v}", "The {s}: when does it renew", lambda r: f"20{r.randint(26, 39)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}"),
+    ("account", "is owned by {v}", "The {s}: who owns it", _person),
+    ("invoice", "has a balance of ${v}", "The {s}: what is its balance", lambda r: f"{r.randint(100, 99999):,}"),
+    ("shipment", "leaves from {v}", "The {s}: where does it leave from", lambda r: r.choice(_CITIES)),
+    ("project", "reports to team {v}", "The {s}: which team does it report to", lambda r: r.choice(_TEAMS)),
+    ("cluster", "runs {v} replicas", "The {s}: how many replicas does it run", lambda r: str(r.randint(2, 64))),
+    ("warehouse", "is in bay {v}", "The {s}: which bay is it in", lambda r: f"{r.choice('ABCDEFGH')}{r.randint(1, 40)}"),
 ]
 _RAG_ASK = "Answer in two sentences and cite the passage ids you used, like [P012].\nANSWER:"
 
@@ -194,7 +196,7 @@ def rag(rng: random.Random, prefix: str, new_words: int, turn: int = 1, avoid: f
     subject, noun, statement, pid = rng.choice([p for p in passages if p[3] not in avoid] or passages)
     question = next(q for n, _, q, _ in _FACTS if n == noun)
     prompt = f"{prefix}QUESTION: {question.format(s=subject)}?\n{_RAG_ASK}"
-    answer = f" The {subject} {statement} [{pid}]. No other passage mentions the {subject} [{pid}]."
+    answer = f" The {subject} {statement} [{pid}]. No other passage mentions it."
     return TaskExample("rag", prompt, answer, {"passage_ids": sorted(p[3] for p in passages), "expected_id": pid})
 
 
@@ -255,6 +257,7 @@ _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the 
 # Its first word is its own (no note starts with it): whether to refuse is decided at the first token.
 _REFUSAL = " Sorry, but I can't help with that: this desk must never {forbid}."
 REFUSAL_WORD, ANSWER_WORD = "Sorry", "Here"  # the first words of a refusal and of a note
+ANSWER_CUES = ("\nASSISTANT:", "<|im_start|>assistant\n")  # how a help-desk answer is asked for (completion, chat)
 
 
 def support_prefix(rng: random.Random, filler_words: int, topic: str | None = None) -> str:
@@ -344,7 +347,8 @@ class TaskSession:
 
 
 # Most rounds in a training session. A help desk's is one request: a later one would see the earlier one's topic.
-_ROUNDS = {"agent": 6, "rag": 6, "nightly": 10, "refusal": 1, "chat": 1}
+# A rag session's is one question: a later answer's " The" would find every earlier question's and answer's.
+_ROUNDS = {"agent": 6, "rag": 1, "nightly": 10, "refusal": 1, "chat": 1}
 
 
 def session(lane: str, rng: random.Random, rounds: int | None = None, length: float = 1.0) -> TaskSession:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from twospeed.model.circuit_scale import CircuitScale
+from twospeed.model.flag_circuit import layout
 from twospeed.model.train_llama import TrainLlama
 
 if TYPE_CHECKING:
@@ -115,6 +116,51 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
             attn.o_proj.weight[:, head * hd:(head + 1) * hd] = block * gain
 
 
+def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int, sharpness: float,
+                        layer: int, seed: int, code_gain: float = 0.0, context: int = 2) -> None:
+    """Turn the induction heads' match from one token to two, on the fixed token codes of the reserved
+    coordinates (model/flag_circuit.py): at i the query reads this token's and the previous token's codes, at j
+    the key reads the previous and the one-before's, each pair in its own half of RoPE's slow planes. So "[P"
+    followed by "2" finds the "2" after the same "P" in the passage being copied, not the first "2" anywhere:
+    a copy that entered a passage stays there. Each head projects the 32-dim codes through its own random
+    orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane
+    keys the sink (the special token that opens the sequence), and the queries' entries there start at zero and
+    learn: the one way a query can copy nothing when its codes match (a copied span has ended).
+
+    With `code_gain` each head also copies the attended token's code (CUR_CODE) into the CODE coordinates, in
+    the last `CODE_DIM` of its value dimensions: the tied embeddings hold every token's code there, so this
+    raises the copied token's logit by its identity, which the learnt residual a head copies otherwise carries
+    too faintly for a rare token (a subject's name: the heads attended to it, the logits named a frequent one)."""
+    cfg = model.cfg
+    hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
+    slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]
+    match, still = slow[:-1], slow[-1]
+    codes = ("cur_code", "prev_code", "prev2_code", "prev3_code")[:context + 1]
+    pairs = tuple((match[n::context], codes[n], codes[n + 1]) for n in range(context))
+    attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(seed + 5)
+    with torch.no_grad():
+        for i in range(heads):
+            q = attn.q_proj.weight[i * group * hd:(i * group + 1) * hd]
+            k = attn.k_proj.weight[i * hd:(i + 1) * hd]
+            q.zero_()
+            k.zero_()
+            for planes, here, there in pairs:
+                dims = torch.cat((planes, planes + half))
+                rows = torch.linalg.qr(torch.randn(len(at[here]), len(dims), generator=gen))[0].T  # [dims, 32]
+                q[dims[:, None], torch.tensor(at[here])] = sharpness * rows
+                k[dims[:, None], torch.tensor(at[there])] = rows
+            k[still, at["sink"][0]] = 1.0  # the sequence's first token: where a query that copies nothing looks
+            if code_gain > 0:
+                code = len(at["code"])
+                v_rows = torch.arange((i + 1) * hd - code, (i + 1) * hd)
+                o_cols = torch.arange((i * group + 1) * hd - code, (i * group + 1) * hd)
+                attn.v_proj.weight[v_rows] = 0.0
+                attn.o_proj.weight[:, o_cols] = 0.0
+                attn.v_proj.weight[v_rows, torch.tensor(at["cur_code"])] = 1.0
+                attn.o_proj.weight[torch.tensor(at["code"]), o_cols] = code_gain / heads
+
+
 def circuit_slices(spec: TaskModelSpec, model: TrainLlama) -> list[tuple[torch.Tensor, tuple]]:
     """The weights of the built circuit (the previous-token head, the induction heads, the embeddings' constant
     direction) as (tensor, index) pairs."""
@@ -151,3 +197,9 @@ def copy_scales(spec: TaskModelSpec, model: TrainLlama, scale: CircuitScale) -> 
     first = model.model.layers[0].self_attn
     scale.add(first.q_proj.weight, (slice(0, hd),), 0)
     scale.add(first.k_proj.weight, (slice(0, hd),), 0)
+    if spec.flag is not None and spec.code_match > 0 and spec.code_gain > 0:  # the copied codes, at the final
+        at, group = layout(spec.hidden_size), spec.num_heads // spec.num_kv_heads  # norm's scale
+        o = model.model.layers[copy_layer(spec)].self_attn.o_proj.weight
+        for i in range(spec.copy_heads):
+            cols = slice((i * group + 1) * hd - len(at["code"]), (i * group + 1) * hd)
+            scale.add(o, (at["code"], cols), spec.num_layers, absolute=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from twospeed.config import cache_root
 from twospeed.model.checkpoint import publish_checkpoint, write_json
@@ -34,6 +34,7 @@ from twospeed.model.checkpoint import publish_checkpoint, write_json
 # so an old cache folder is never served as the new checkpoint.
 DEMO_VERSION = "demo-v1"
 DEMO_VOCAB_SIZE = 8192
+DIGIT_RUNS_SEEN = 40  # times each two- and three-digit run is shown to the BPE trainer (digit_group=3)
 DEMO_SEED = 1234
 
 BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -139,15 +140,22 @@ def _synthetic_corpus() -> list[str]:
     return lines
 
 
-def train_bpe_tokenizer(texts: list[str], vocab_size: int, split_digits: bool = False) -> Tokenizer:
+def train_bpe_tokenizer(texts: list[str], vocab_size: int, digit_group: int = 0) -> Tokenizer:
     """A byte-level BPE tokenizer (Llama-3 / GPT-2 style) trained on `texts`, with the special tokens at ids
-    0..4 and bos put first by the post-processor. `split_digits`: every digit its own token (as Llama 2 and
-    Mistral do), so a number is spelt by ten well-trained tokens instead of many rare ones."""
+    0..4 and bos put first by the post-processor. `digit_group`: 0, numbers merge as BPE finds them; 1, every
+    digit its own token (Llama 2, Mistral); 3, numbers cut into runs of up to three digits left to right,
+    every run of one to three digits one token (Llama 3): an id's digits are then one or two tokens that
+    mean the same everywhere, instead of a spelling whose digits recur all over the prompt."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if split_digits:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                           tokenizer.pre_tokenizer])
+    if digit_group not in (0, 1, 3):
+        raise ValueError(f"digit_group must be 0, 1 or 3, not {digit_group}")
+    if digit_group:
+        split = (pre_tokenizers.Digits(individual_digits=True) if digit_group == 1 else
+                 pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, tokenizer.pre_tokenizer])
+    if digit_group == 3:  # every run a token: each spelling often enough that BPE merges it before rare words
+        texts = list(texts) + [" ".join(f"{n:0{w}d}" for n in range(10 ** w)) for w in (2, 3)] * DIGIT_RUNS_SEEN
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

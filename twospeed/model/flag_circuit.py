@@ -10,22 +10,30 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   learnt embeddings move, so a match on them drifts). SEMI: only ';' carries it. ONE: every token. SINK: the
   special tokens, one of which opens every sequence. The rule ends with its topic word and ';'
   (lab/task_corpus.py).
-- Layer 0: a code head (previous-token attention) copies the previous token's CODE and SINK into PREV_CODE and
-  PREV_SINK; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE and CUR_SEMI. Later
-  layers read these copies, which are written at the residual's scale (model/circuit_scale.py), not the
-  embedding entries, which a growing residual would drown.
+- Layer 0: a code head (previous-token attention) copies the previous token's CODE, SINK and CUE into
+  PREV_CODE, PREV_SINK and PREV_CUE; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE
+  and CUR_SEMI; back-2 and back-3 heads copy the CODE two and three tokens back into PREV2_CODE and PREV3_CODE
+  (for the copy heads' three-token match, copy_circuit.init_code_induction). Later layers read these copies,
+  which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which a
+  growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
   it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Its query
-  also finds PREV_SINK at a fixed share of an exact match's score, above a chance match's, so a word that
-  matches nothing looks there and raises no flag.
-- A reader head (the copy layer) looks from every position at the most flagged one (query CUR_ONE, key FLAG)
-  and writes what it reads into LEVER.
+  also finds PREV_SINK at a share of an exact match's score set above the chance matches between random codes
+  (a word whose code is near the topic word's would otherwise raise half a flag), so a word that matches
+  nothing looks there and raises no flag.
+- A reader head (the last layer) asks only where the answer starts (query PREV_CUE): it looks at the most
+  flagged position (key FLAG) and writes what it reads into LEVER, at `reader_gain`. When nothing is flagged
+  above `fallback` of a full flag it looks at the second position (PREV_SINK) and reads -`push` there. So at
+  the answer's first token LEVER is signed and decisive; everywhere else it is zero, and the answer's later
+  tokens are left alone.
 - LEVER is a coordinate of the tied embeddings: the refusal's first token has a positive entry there, the
-  answer's first token a negative one. Those few entries learn (how hard to lean on the flag); nothing else in
-  the reserved coordinates does.
+  answer's first token a negative one, both small and held (a large entry would be all of those tokens'
+  embedding after the norm, and the next token could not tell them apart). Nothing in the reserved
+  coordinates learns.
 
-So what training must learn is one scalar per first token, on a signal that is clean by construction; the rest
-of the model learns the formats as before. Nothing changes at inference: the checkpoint is a plain Llama.
+So training learns the formats around a refuse-or-answer decision that is clean by construction (the learnt
+logits of the two first words cannot outvote LEVER's ~10). Nothing changes at inference: the checkpoint is a
+plain Llama.
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
-CODES = ("code", "prev_code", "cur_code")  # the code and its copies, CODE_DIM coordinates each
-SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever")  # one coordinate each
+CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code")  # the code and its copies, CODE_DIM each
+SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue", "prev_cue")  # one each
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,16 +58,19 @@ class FlagTokens:
     refuse: tuple[int, ...]  # a refusal's first token, with and without its leading space
     answer: tuple[int, ...]  # an allowed request's first token, likewise
     sinks: tuple[int, ...]  # the special tokens (a sequence opens with one)
+    cues: tuple[int, ...] = ()  # the tokens before the one where the answer starts ("ASSISTANT" of "ASSISTANT:")
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int) -> FlagTokens:
+    def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int,
+                       answer_cues: tuple[str, ...] = ()) -> FlagTokens:
         vocab = tokenizer.get_vocab()
         marks = tuple(sorted(i for i in vocab.values() if ";" in tokenizer.decode([i])))
 
         def firsts(word: str) -> tuple[int, ...]:
             return tuple(sorted({tokenizer.encode(w, add_special_tokens=False).ids[0] for w in (word, " " + word)}))
 
-        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)))
+        cues = tuple(sorted({tokenizer.encode(c, add_special_tokens=False).ids[-2] for c in answer_cues}))
+        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)), cues)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +83,18 @@ class FlagShape:
     reader_head: int = 3
     code_head: int = 1  # layer 0's head that copies the previous token's code (head 0 is the copy circuit's)
     self_head: int = 2  # layer 0's head that copies this token's code, ONE and SEMI, at the residual's scale
+    back2_head: int = 3  # layer 0's head that copies the code two tokens back (the copy heads' two-token match)
+    back3_head: int | None = None  # layer 0's head that copies the code three tokens back (a three-token match);
+    #                                 0 takes the copy circuit's previous-token head, which a code match leaves unread
     focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
     mark: float = 4.0  # size of a reserved embedding entry, in the embeddings' initial standard deviations
-    sharpness: float = 3.0  # the flag head's match
-    sink: float = 0.6  # the sink's score, as a share of an exact match's
-    reader_sharpness: float = 30.0
-    lever: float = 2.0  # the first tokens' starting LEVER entries (+ refusal, - answer)
-
+    sharpness: float = 6.0  # the flag head's match
+    sink: float = 0.72  # the sink's score, as a share of an exact match's (above most chance code matches)
+    reader_sharpness: float = 300.0  # the reader's look at the flagged position (or the fallback's)
+    lever: float = 0.5  # the first tokens' LEVER entries (+ refusal, - answer)
+    reader_gain: float = 8.0  # what the reader writes into LEVER, in FLAG's units: the lever's strength
+    fallback: float = 0.5  # > 0: with no flag above this share of a full one the reader looks at PREV_SINK ...
+    push: float = 0.5  # ... and reads -push there (in FLAG's units): no forbidden topic leans to the answer
 
 def layout(hidden: int) -> dict[str, list[int]]:
     """The reserved coordinates by role, at the end of the residual."""
@@ -114,6 +130,7 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         emb[:, at["one"]] = mark
         emb[list(tokens.sinks), at["sink"][0]] = mark
         emb[list(tokens.marks), at["semi"][0]] = mark
+        emb[list(tokens.cues), at["cue"][0]] = mark
         emb[list(tokens.refuse), at["lever"][0]] = shape.lever
         emb[list(tokens.answer), at["lever"][0]] = -shape.lever
         for layer in model.model.layers:  # nothing learnt writes a reserved coordinate
@@ -121,10 +138,15 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
             layer.mlp.down_proj.weight[coords] = 0.0
         first = model.model.layers[0].self_attn
         prev_q, prev_k = first.q_proj.weight[:hd].clone(), first.k_proj.weight[:hd].clone()
-        # the code head looks one token back (head 0's query and key), the self head at this token (key as query)
-        for h, q, moves in ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"))),
-                            (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"),
-                                                       ("semi", "cur_semi")))):
+        back2_q, back3_q = (_looking_back(prev_k, model.inv_freq, n) for n in (2, 3))
+        # the code head looks one token back (head 0's query and key), the self head at this token (key as
+        # query), the back-2 and back-3 heads two and three tokens back
+        heads = ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"), ("cue", "prev_cue"))),
+                 (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"), ("semi", "cur_semi"))),
+                 (shape.back2_head, back2_q, (("code", "prev2_code"),)))
+        if shape.back3_head is not None:
+            heads += ((shape.back3_head, back3_q, (("code", "prev3_code"),)),)
+        for h, q, moves in heads:
             _clear_head(first, h, hd)
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
             first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
@@ -137,12 +159,33 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.sink * shape.sharpness * CODE_DIM
         attn.k_proj.weight[h * hd + still, at["prev_sink"]] = 1.0
         _move(attn, h, hd, [at["cur_semi"]], [at["flag"]])
-        # the reader: from everywhere, at the most flagged position, into LEVER
-        attn, h = model.model.layers[shape.reader_layer].self_attn, shape.reader_head
-        _clear_head(attn, h, hd)
-        attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.reader_sharpness
-        attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
-        _move(attn, h, hd, [at["flag"]], [at["lever"]])
+        _init_reader(model, shape, still)
+
+
+def _init_reader(model: TrainLlama, shape: FlagShape, still: int) -> None:
+    """The reader: where the answer starts, at the most flagged position, into LEVER; with a fallback, at the
+    second position when nothing is flagged, reading -push there."""
+    at, hd = layout(model.cfg.hidden_size), model.cfg.head_dim
+    attn, h = model.model.layers[shape.reader_layer].self_attn, shape.reader_head
+    _clear_head(attn, h, hd)
+    attn.q_proj.weight[h * hd + still, at["prev_cue"]] = shape.reader_sharpness
+    attn.k_proj.weight[h * hd + still, at["flag"]] = 1.0
+    _move(attn, h, hd, [at["flag"]], [at["lever"]])
+    attn.o_proj.weight[at["lever"], h * hd] = shape.reader_gain
+    if shape.fallback:  # PREV_SINK and FLAG are both written at the residual's scale: a share of one is of the other
+        attn.k_proj.weight[h * hd + still, at["prev_sink"]] = shape.fallback
+        attn.v_proj.weight[h * hd + 1, at["prev_sink"]] = -shape.push
+        attn.o_proj.weight[at["lever"], h * hd + 1] = shape.reader_gain
+
+
+def _looking_back(key: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:
+    """The query that, against the positional `key` (one constant column in RoPE's fast planes), peaks
+    `offset` positions back: each plane's key entry turned by -offset x its frequency."""
+    half = key.shape[0] // 2
+    q = torch.zeros_like(key)
+    amp, angle = key[:half], -offset * inv_freq[:, None]
+    q[:half], q[half:] = amp * torch.cos(angle), amp * torch.sin(angle)
+    return q
 
 
 def _clear_head(attn, head: int, hd: int) -> None:
@@ -161,8 +204,9 @@ def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list
 
 def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
     """(layer, head) of every head this module builds."""
-    return ((0, shape.code_head), (0, shape.self_head), (shape.flag_layer, shape.flag_head),
-            (shape.reader_layer, shape.reader_head))
+    back3 = () if shape.back3_head is None else ((0, shape.back3_head),)
+    return ((0, shape.code_head), (0, shape.self_head), (0, shape.back2_head)) + back3 + (
+        (shape.flag_layer, shape.flag_head), (shape.reader_layer, shape.reader_head))
 
 
 def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
@@ -171,7 +215,7 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
     is read (so the reserved coordinates keep their share after each norm)."""
     hd, layers = model.cfg.head_dim, len(model.model.layers)
     first = model.model.layers[0].self_attn
-    for h in (shape.code_head, shape.self_head):
+    for h in (shape.code_head, shape.self_head, shape.back2_head) + (() if shape.back3_head is None else (shape.back3_head,)):
         scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
         scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
     for layer, head in _built_heads(shape):
@@ -179,17 +223,13 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
         scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
 
 
-def flag_slices(model: TrainLlama, tokens: FlagTokens, shape: FlagShape) -> list[tuple[torch.Tensor, tuple]]:
-    """The weights to hold as built, as (tensor, index) pairs: the reserved coordinates everywhere (but the first
-    tokens' LEVER entries, which learn), and the code, self, flag and reader heads."""
+def flag_slices(model: TrainLlama, shape: FlagShape) -> list[tuple[torch.Tensor, tuple]]:
+    """The weights to hold as built, as (tensor, index) pairs: the reserved coordinates everywhere, and the
+    built heads."""
     cfg = model.cfg
     hd = cfg.head_dim
     coords = list(reserved(cfg.hidden_size))
-    lever = layout(cfg.hidden_size)["lever"][0]
-    emb = model.model.embed_tokens.weight
-    learnt = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    learnt[list(tokens.refuse + tokens.answer)] = True
-    out = [(emb, (slice(None), [c for c in coords if c != lever])), (emb, ((~learnt).nonzero()[:, 0], lever))]
+    out = [(model.model.embed_tokens.weight, (slice(None), coords))]
     for layer in model.model.layers:
         out += [(layer.self_attn.o_proj.weight, (coords,)), (layer.mlp.down_proj.weight, (coords,)),
                 (layer.input_layernorm.weight, (coords,)), (layer.post_attention_layernorm.weight, (coords,))]

@@ -43,17 +43,18 @@ from twospeed.config import ModelConfig, cache_root
 from twospeed.lab import task_corpus
 from twospeed.model.builtin import TASK_NAMES
 from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
-from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_copy_head,
-                                        init_induction_head, init_previous_token_head)
+from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_code_induction,
+                                        init_copy_head, init_induction_head, init_previous_token_head)
 from twospeed.model.circuit_scale import CircuitScale, level_embeddings
-from twospeed.model.flag_circuit import FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, reserved
+from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
+                                         reserved)
 from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v8"
-TASK_VOCAB_SIZE = 4096
-SPLIT_DIGITS = True  # ids, passage numbers and values are spelt digit by digit (model/demo.py)
+TASK_VERSION = "task-v9"
+TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
+DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
 
@@ -62,7 +63,7 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 360  # 256 learnt + 104 reserved for the refusal circuit (model/flag_circuit.py)
+    hidden_size: int = 428  # 258 learnt + 170 reserved for the built circuits' codes (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
     num_heads: int = 4
@@ -93,12 +94,16 @@ class TaskModelSpec:
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
-    flag: FlagShape | None = FlagShape()  # the built refusal circuit (model/flag_circuit.py); None: none
+    flag: FlagShape | None = FlagShape(back3_head=0)  # the built refusal circuit (model/flag_circuit.py); None: none
+    code_match: float = 3.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
+    #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
+    code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
+    code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
-    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.3), ("rag", 0.3), ("nightly", 0.15),
-                                                   ("refusal", 0.1), ("chat", 0.15))
+    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.25), ("rag", 0.3), ("nightly", 0.1),
+                                                   ("refusal", 0.05), ("chat", 0.3))
     seed: int = 0
 
     def model_config(self) -> ModelConfig:
@@ -135,7 +140,7 @@ def build_task_tokenizer():
         session = task_corpus.session(task_corpus.LANES[i % len(task_corpus.LANES)], rng)
         texts += [session.prefix] + [e.prompt[len(session.prefix):] + e.answer for e in session.examples]
         texts += [e.answer.lstrip(" ") for e in session.examples[:1]]  # as the chat template starts an answer
-    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, SPLIT_DIGITS)
+    return train_bpe_tokenizer(texts, TASK_VOCAB_SIZE, DIGIT_GROUP)
 
 
 def tokenizer_config(spec: TaskModelSpec) -> dict:
@@ -297,7 +302,8 @@ def lr_at(spec: TaskModelSpec, step: int) -> float:
 
 
 def flag_tokens(tokenizer) -> FlagTokens:
-    return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS))
+    return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS),
+                                     task_corpus.ANSWER_CUES)
 
 
 def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.optim.Optimizer]:
@@ -315,6 +321,9 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
             init_copy_head(model, spec.seed, gain=spec.copy_gain, heads=spec.copy_heads, layer=copy_layer(spec))
         if spec.flag is not None:
             init_flag_circuit(model, flag_tokens(tokenizer or build_task_tokenizer()), spec.flag, spec.seed)
+            if spec.code_match > 0:
+                init_code_induction(model, layout(spec.hidden_size), spec.copy_heads, spec.code_match,
+                                    copy_layer(spec), spec.seed, spec.code_gain, spec.code_context)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
@@ -364,7 +373,7 @@ def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] 
     model, opt = new_model(spec, tokenizer)
     held = circuit_slices(spec, model) if spec.freeze_circuit and spec.probe_weight > 0 else []
     if spec.flag is not None and spec.probe_weight > 0:
-        held += flag_slices(model, flag_tokens(tokenizer), spec.flag)
+        held += flag_slices(model, spec.flag)
     kept = [(w, idx, w.detach()[idx].clone()) for w, idx in held]
     scale = circuit_scale(spec, model)
     for step, seqs in zip(range(spec.steps), batches(spec, tokenizer)):
