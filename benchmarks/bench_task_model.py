@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from twospeed.lab import task_corpus, task_prompts  # noqa: E402
-from twospeed.model import task_model  # noqa: E402
+from twospeed.model import task_data, task_model  # noqa: E402
 
 MAX_TOKENS = {"agent": 96, "rag": 96, "nightly": 48, "refusal": 64, "chat": 400}
 
@@ -72,7 +72,7 @@ def estimate_training(spec: task_model.TaskModelSpec, k: int, repeats: int) -> N
 
     tokenizer = task_model.build_task_tokenizer()
     cpu = cpu_seconds()
-    stream = [b for _, b in zip(range(spec.steps), task_model.batches(spec, tokenizer))]
+    stream = [b for _, b in zip(range(spec.steps), task_data.batches(spec, tokenizer))]
     data = cpu_seconds() - cpu  # one thread, the pipeline's cost for the whole run
     picked = stream[:: max(1, len(stream) // k)][:k]
     torch.set_num_threads(task_model.TRAIN_THREADS)

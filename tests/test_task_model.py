@@ -23,7 +23,7 @@ from twospeed.lab import task_corpus, task_prompts
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planner
 from twospeed.lab.workload import BUILTIN, load_workload
-from twospeed.model import copy_circuit, flag_circuit, task_model
+from twospeed.model import copy_circuit, flag_circuit, task_data, task_model
 from twospeed.model.llama import apply_rope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,7 +271,7 @@ def test_copied_code_names_the_copied_token():
     assert spec.code_match > 0 and spec.code_gain > 0
     model, _ = task_model.new_model(spec, tokenizer)
     scale = task_model.circuit_scale(spec, model)
-    seq = task_model.render(task_corpus.session("rag", random.Random("copied-code")), tokenizer, False)
+    seq = task_data.render(task_corpus.session("rag", random.Random("copied-code")), tokenizer, False)
     ids = torch.tensor([seq.ids])
     o = model.model.layers[-1].self_attn.o_proj.weight
     codes = layout(spec.hidden_size)["code"]

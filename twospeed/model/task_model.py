@@ -32,7 +32,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +48,14 @@ from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer,
 from twospeed.model.circuit_scale import CircuitScale, level_embeddings
 from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
                                          reserved)
-from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, IM_END, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
+from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
+from twospeed.model.task_data import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, Sequence, batches, collate  # noqa: F401
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
 TASK_VERSION = "task-v9"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
-BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
 
 
@@ -147,127 +147,6 @@ def tokenizer_config(spec: TaskModelSpec) -> dict:
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
             "clean_up_tokenization_spaces": False, "model_max_length": spec.max_position_embeddings,
             "chat_template": DEMO_CHAT_TEMPLATE}
-
-
-# -- data --------------------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Sequence:
-    ids: list[int]
-    answers: list[tuple[int, int]]  # [start, end) of every answer (with its stop token): what the loss covers
-    sources: dict[int, int] = dataclasses.field(default_factory=dict)  # answer token -> where it was copied from
-
-    def __post_init__(self) -> None:
-        if not self.sources:
-            self.sources = copy_sources(self.ids, self.answers)
-
-
-MIN_COPY = 2  # tokens a copied span must match for its source to count (shorter ones are template words)
-MAX_CANDIDATES = 24  # a token seen more often than this before the answer is a template token, not copied
-
-
-def copy_sources(ids: list[int], answers: list[tuple[int, int]]) -> dict[int, int]:
-    """For each answer token copied from earlier in the sequence, the position it was copied from.
-
-    Walking an answer: a token that continues the current copy takes the next source position; otherwise
-    it starts a copy at the earlier occurrence that matches the longest stretch of the answer from here
-    (at least MIN_COPY tokens; on a tie the latest). The answer's id copied from the evidence, a passage's
-    sentence, the subject of a note: each gets its source, which the attention probe then teaches."""
-    index: dict[int, list[int]] = {}
-    seen = 0
-    sources: dict[int, int] = {}
-    for start, end in answers:
-        for p in range(seen, start):
-            index.setdefault(ids[p], []).append(p)
-        seen = start
-        j = -1
-        for q in range(start, end):
-            if j >= 0 and j + 1 < start and ids[j + 1] == ids[q]:
-                j += 1
-            else:
-                j, best = -1, MIN_COPY - 1
-                candidates = index.get(ids[q], ())
-                for c in candidates if len(candidates) <= MAX_CANDIDATES else ():
-                    m = 1
-                    while q + m < end and c + m < start and ids[q + m] == ids[c + m]:
-                        m += 1
-                    if m >= best:
-                        j, best = c, m
-            if j >= 0:
-                sources[q] = j
-    return sources
-
-
-def render(session: task_corpus.TaskSession, tokenizer, chat: bool) -> Sequence:
-    """The tokens the engine sees for the first prompt, then each answer with its stop token and the next
-    round's own part.
-
-    As completions: bos + prompt (what /v1/completions encodes), the answer, <|end_of_text|>. As a chat: the
-    template around one user message per round (what the lab's chat endpoint sends), the answer, <|im_end|>."""
-    ids: list[int] = []
-    answers = []
-    for k, ex in enumerate(session.examples):
-        part = ex.prompt if k == 0 else ex.prompt[len(session.prefix):]
-        if chat:
-            text = f"{'' if k == 0 else chr(10)}<|im_start|>user\n{part}<|im_end|>\n<|im_start|>assistant\n"
-            ids += tokenizer.encode(text, add_special_tokens=False).ids
-            answer = tokenizer.encode(ex.answer.lstrip(" "), add_special_tokens=False).ids + [IM_END_ID]
-        else:
-            ids += tokenizer.encode(part, add_special_tokens=k == 0).ids  # the post-processor puts bos first
-            answer = tokenizer.encode(ex.answer, add_special_tokens=False).ids + [EOS_ID]
-        answers.append((len(ids), len(ids) + len(answer)))
-        ids += answer
-    return Sequence(ids, answers)
-
-
-def length_at(spec: TaskModelSpec, step: int) -> float:
-    """The curriculum: the fraction of the corpus' filler ranges that training draws from at `step`."""
-    grown = step / max(1.0, spec.full_length_at * spec.steps)
-    return min(1.0, spec.start_length + (1 - spec.start_length) * grown)
-
-
-def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Sequence]]:
-    """An endless, seeded stream of steps: pools of sessions (lengths from the curriculum at the pool's first
-    step) rendered, sorted by length and cut into `batch_tokens` steps, in a shuffled order."""
-    rng = random.Random(f"task-train-{spec.seed}")
-    lanes, weights = zip(*spec.lane_weights)
-    step = 0
-    while True:
-        length = length_at(spec, step)
-        seqs = [render(task_corpus.session(rng.choices(lanes, weights)[0], rng, length=length), tokenizer,
-                       rng.random() < spec.chat_share) for _ in range(pool)]
-        seqs.sort(key=lambda s: len(s.ids))
-        steps, cur = [], []
-        for s in seqs:
-            if cur and (len(cur) + 1) * len(s.ids) > spec.batch_tokens:
-                steps.append(cur)
-                cur = []
-            cur.append(s)
-        steps.append(cur)
-        rng.shuffle(steps)
-        step += len(steps)
-        yield from steps
-
-
-def collate(step: list[Sequence], first_weight: float = 1.0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-    """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
-
-    Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
-    long note, which is where the refuse-or-answer decision is made.)"""
-    t = -(-max(len(s.ids) for s in step) // 32) * 32  # few distinct shapes: oneDNN and the allocator reuse them
-    ids = torch.full((len(step), t), PAD_ID, dtype=torch.long)
-    rows, targets, weights = [], [], []
-    for i, s in enumerate(step):
-        ids[i, :len(s.ids)] = torch.tensor(s.ids)
-        for start, end in s.answers:
-            rows.append(torch.arange(start - 1, end - 1) + i * t)  # position p predicts token p + 1
-            targets.append(ids[i, start:end])
-            w = torch.ones(end - start)
-            w[0] = first_weight
-            weights.append(w)
-    targets, weights = torch.cat(targets), torch.cat(weights)
-    copies = [(i, q - 1, j) for i, s in enumerate(step) for q, j in s.sources.items()]  # (row, query, key)
-    return ids, torch.cat(rows), targets, weights / weights.sum(), tuple(zip(*copies))
 
 
 # -- training ----------------------------------------------------------------------------------------------
