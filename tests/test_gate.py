@@ -221,14 +221,16 @@ def test_on_the_task_model_int8_ships_and_a_destructive_candidate_is_no_ship(tmp
     """The gate's purpose: int8 weights keep the contracts (ship), a deliberately broken quantization does not
     (no-ship, for the gate pass, not for latency)."""
     model = task_model_or_skip()
-    run = ["--model", model, "--requests", "40", "--probes-per-lane", "2", "--latency-tolerance", "3.0"]
+    run = ["--model", model, "--workload", "tasks", "--requests", "40", "--probes-per-lane", "2",  # sized for it
+           "--latency-tolerance", "3.0"]
     out = tmp_path / "int8"
     rc = main(["gate", "--baseline", SERVE, "--candidate", f"{SERVE} --quantization int8", "--out", str(out), *run])
     doc = json.loads((out / "gate.json").read_text())
     reasons = {name: lane["verdict"]["reasons"] for name, lane in doc["lanes"].items()}
     assert rc == 0 and doc["ship"], reasons
-    for lane in doc["lanes"].values():
-        assert lane["gate"]["baseline"]["rate"] >= 0.8  # a baseline that passes: the gate can see a regression
+    for name, lane in doc["lanes"].items():  # a baseline that passes: the gate can see a regression. Not rag
+        if name != "rag":  # yet: demo-task cites a passage of its prompt ~80% held out, about half at 400-900
+            assert lane["gate"]["baseline"]["rate"] >= 0.8, name  # tokens (issue 14; test_task_model's NOT_YET)
     bad = tmp_path / "broken"
     rc = main(["gate", "--candidate", f"{SERVE} --quantization test-random-scale", "--baseline-run",
                str(out / "baseline"), "--out", str(bad), *run])
