@@ -80,9 +80,6 @@ def init_previous_token_head(model: TrainLlama, seed: int, sharpness: float = 24
     return read, write
 
 
-SLOW_SPAN = 1024  # positions over which an induction head's RoPE planes may turn at most one radian
-
-
 def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tensor, seed: int, heads: int,
                         sharpness: float, gain: float = 1.0, layer: int = -1, keep_out: tuple[int, ...] = ()) -> None:
     """Start the last layer's first `heads` heads as one induction head: at position i they look at every j
@@ -95,7 +92,7 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
     hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
     if heads > cfg.num_kv_heads or heads * hd > cfg.hidden_size - hd:
         raise ValueError(f"{heads} induction heads need as many kv heads and heads x head_dim <= hidden - head_dim")
-    slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]  # < 1 rad over SLOW_SPAN positions
+    slow = model.slow_planes()
     dims = torch.cat((slow, slow + half))
     attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 3)
@@ -133,7 +130,7 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     too faintly for a rare token (a subject's name: the heads attended to it, the logits named a frequent one)."""
     cfg = model.cfg
     hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
-    slow = torch.arange(half)[model.inv_freq * SLOW_SPAN < 1.0]
+    slow = model.slow_planes()
     match, still = slow[:-1], slow[-1]
     codes = ("cur_code", "prev_code", "prev2_code", "prev3_code")[:context + 1]
     pairs = tuple((match[n::context], codes[n], codes[n + 1]) for n in range(context))

@@ -117,7 +117,7 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
     at = layout(cfg.hidden_size)
     coords = list(reserved(cfg.hidden_size))
     emb = model.model.embed_tokens.weight
-    slow = torch.arange(half)[model.inv_freq * 1024 < 1.0]  # planes that barely turn over the context
+    slow = model.slow_planes()  # planes that barely turn over the context
     if len(slow) < CODE_DIM // 2 + 1:
         raise ValueError(f"the flag circuit needs {CODE_DIM // 2 + 1} slow RoPE planes, rope_theta gives {len(slow)}")
     match, still = torch.cat((slow[:CODE_DIM // 2], slow[:CODE_DIM // 2] + half)), slow[-1]

@@ -21,6 +21,8 @@ from torch import nn
 from twospeed.config import ModelConfig
 from twospeed.model.llama import apply_rope, rope_inv_freq
 
+SLOW_SPAN = 1024  # positions over which a built head's matching RoPE planes may turn at most one radian
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -161,6 +163,11 @@ class TrainLlama(nn.Module):
         self.model = Decoder(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def slow_planes(self, span: int = SLOW_SPAN) -> torch.Tensor:
+        """RoPE's planes that turn less than one radian over `span` positions (ascending): a built head that
+        matches in them matches by content at any distance within the span."""
+        return torch.arange(self.cfg.head_dim // 2)[self.inv_freq * span < 1.0]
 
     def rope(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for positions 0..t-1: [T, 1, hd], float32 (as HF computes them before the cast)."""
