@@ -115,12 +115,13 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
 
 def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int, sharpness: float,
                         layer: int, seed: int, code_gain: float = 0.0, context: int = 2) -> None:
-    """Turn the induction heads' match from one token to two, on the fixed token codes of the reserved
-    coordinates (model/flag_circuit.py): at i the query reads this token's and the previous token's codes, at j
-    the key reads the previous and the one-before's, each pair in its own half of RoPE's slow planes. So "[P"
-    followed by "2" finds the "2" after the same "P" in the passage being copied, not the first "2" anywhere:
-    a copy that entered a passage stays there. Each head projects the 32-dim codes through its own random
-    orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane
+    """Turn the induction heads' match from one token to `context` tokens, on the fixed token codes of the
+    reserved coordinates (model/flag_circuit.py): at i the query reads the codes of this token and the
+    `context` - 1 before it, at j the key reads those of the `context` tokens before j, each pair in its own
+    share of RoPE's slow planes. So "[P" followed by "2" finds the "2" after the same "[P" in the passage being
+    copied, not the first "2" anywhere: a copy that entered a passage stays there. Each head projects the
+    32-dim codes through its own random orthonormal rows, so the heads' chance matches differ and their copies
+    average them out. The slowest plane
     keys the sink (the special token that opens the sequence), and the queries' entries there start at zero and
     learn: the one way a query can copy nothing when its codes match (a copied span has ended).
 
@@ -151,11 +152,16 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
             if code_gain > 0:
                 code = len(at["code"])
                 v_rows = torch.arange((i + 1) * hd - code, (i + 1) * hd)
-                o_cols = torch.arange((i * group + 1) * hd - code, (i * group + 1) * hd)
+                o_cols = _code_columns(i, group, hd, code)
                 attn.v_proj.weight[v_rows] = 0.0
                 attn.o_proj.weight[:, o_cols] = 0.0
                 attn.v_proj.weight[v_rows, torch.tensor(at["cur_code"])] = 1.0
                 attn.o_proj.weight[torch.tensor(at["code"]), o_cols] = code_gain / heads
+
+
+def _code_columns(head: int, group: int, hd: int, code: int) -> torch.Tensor:
+    """The o_proj columns where copy head `head` writes the copied token's code: its last `code` dimensions."""
+    return torch.arange((head * group + 1) * hd - code, (head * group + 1) * hd)
 
 
 def circuit_slices(spec: TaskModelSpec, model: TrainLlama) -> list[tuple[torch.Tensor, tuple]]:
@@ -198,5 +204,5 @@ def copy_scales(spec: TaskModelSpec, model: TrainLlama, scale: CircuitScale) -> 
         at, group = layout(spec.hidden_size), spec.num_heads // spec.num_kv_heads  # norm's scale
         o = model.model.layers[copy_layer(spec)].self_attn.o_proj.weight
         for i in range(spec.copy_heads):
-            cols = slice((i * group + 1) * hd - len(at["code"]), (i * group + 1) * hd)
-            scale.add(o, (at["code"], cols), spec.num_layers, absolute=True)
+            cols = _code_columns(i, group, hd, len(at["code"]))
+            scale.add(o, (torch.tensor(at["code"])[:, None], cols), spec.num_layers, absolute=True)

@@ -96,6 +96,7 @@ class FlagShape:
     fallback: float = 0.5  # > 0: with no flag above this share of a full one the reader looks at PREV_SINK ...
     push: float = 0.5  # ... and reads -push there (in FLAG's units): no forbidden topic leans to the answer
 
+
 def layout(hidden: int) -> dict[str, list[int]]:
     """The reserved coordinates by role, at the end of the residual."""
     start = hidden - len(reserved(hidden))
@@ -215,7 +216,7 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
     is read (so the reserved coordinates keep their share after each norm)."""
     hd, layers = model.cfg.head_dim, len(model.model.layers)
     first = model.model.layers[0].self_attn
-    for h in (shape.code_head, shape.self_head, shape.back2_head) + (() if shape.back3_head is None else (shape.back3_head,)):
+    for h in (head for layer, head in _built_heads(shape) if layer == 0):  # their positional queries and keys
         scale.add(first.q_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
         scale.add(first.k_proj.weight, (slice(h * hd, (h + 1) * hd),), 0)
     for layer, head in _built_heads(shape):

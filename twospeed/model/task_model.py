@@ -95,8 +95,8 @@ class TaskModelSpec:
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
     flag: FlagShape | None = FlagShape(back3_head=0)  # the built refusal circuit (model/flag_circuit.py); None: none
-    code_match: float = 3.0  # > 0 (with `flag`): the copy heads match two tokens on the circuit's token codes,
-    #                          at this sharpness (copy_circuit.init_code_induction); 0: one token, on embeddings
+    code_match: float = 3.0  # > 0 (with `flag`): the copy heads match `code_context` tokens on the circuit's token
+    #                          codes, at this sharpness (copy_circuit.init_code_induction); 0: one, on embeddings
     code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
     code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
