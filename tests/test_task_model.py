@@ -378,9 +378,9 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuits: 169 reserved coordinates beside 128 learnt (the
+# Small enough to train in seconds, large enough for the circuits: 170 reserved coordinates beside 128 learnt (the
 # copy heads' bases need two head_dims of them), 19 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=297, intermediate_size=128, num_layers=2, num_heads=4,
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=298, intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 
@@ -423,6 +423,16 @@ def test_flag_tokens_are_whole_words():
     assert [tokenizer.decode([i]).strip() for i in tokens.answer] == [task_corpus.ANSWER_WORD] * 2
     assert [tokenizer.decode([i]) for i in tokens.marks] == [";"]
     assert sorted(tokenizer.decode([i]) for i in tokens.cues) == ["ASSISTANT", "ant"]  # "assistant" is as+sist+ant
+
+
+def test_a_residual_too_narrow_for_the_copy_bases_is_refused():
+    """One learnt coordinate short of the copy heads' bases: a clear error, not a basis that spills into the
+    reserved coordinates (QR would fill the missing direction from them)."""
+    import dataclasses
+
+    narrow = dataclasses.replace(TINY_FLAG, hidden_size=TINY_FLAG.hidden_size - 1)
+    with pytest.raises(ValueError, match="free coordinates"):
+        task_model.new_model(narrow, task_model.build_task_tokenizer())
 
 
 @pytest.mark.task_model  # trains a tiny spec

@@ -46,6 +46,9 @@ def _basis(gen: torch.Generator, hidden: int, n: int, keep_out: tuple[int, ...],
     """An orthonormal [hidden, n] basis with no component along the `keep_out` coordinates (the reserved ones
     of model/flag_circuit.py, which nothing learnt or built here may write or read), nor, when given, along
     the orthonormal columns of `outside`."""
+    room = hidden - len(keep_out) - (0 if outside is None else outside.shape[1])
+    if room < n:  # QR would fill the missing directions with reserved coordinates
+        raise ValueError(f"a {n}-dim basis needs {n} free coordinates; the residual leaves {room}")
     free = torch.randn(hidden, n, generator=gen)
     if outside is not None:
         free -= outside @ (outside.T @ free)
