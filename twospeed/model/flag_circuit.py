@@ -17,10 +17,16 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which a
   growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
-  it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Its query
-  also finds PREV_SINK at a share of an exact match's score set above the chance matches between random codes
-  (a word whose code is near the topic word's would otherwise raise half a flag), so a word that matches
-  nothing looks there and raises no flag.
+  it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Each
+  position's score is its match less a threshold, a share of an exact match's set above the chance matches
+  between random codes (a word whose code is near the topic word's would otherwise raise half a flag): its key
+  holds its own CUR_ONE beside its PREV_CODE. Where a special token precedes (the sequence's first two
+  positions) the key's CUR_ONE - PREV_SINK and PREV_CODE are ~0 (the other tokens' codes are built clear of
+  the special tokens'), so the score there is ~0: the anchor, where a word that matches nothing looks and
+  raises no flag. A match and its threshold are read after the same position's norm, so whether a match beats
+  the anchor does not depend on how the learnt part's scale differs between positions (with the threshold at
+  the anchor instead, the balance moved from 0.4 to 1.1 of an exact match between builds, and refusals were
+  missed or chats refused).
 - A reader head (the last layer) asks only where the answer starts (query PREV_CUE): it looks at the most
   flagged position (key FLAG) and writes what it reads into LEVER, at `reader_gain`. When nothing is flagged
   above `fallback` of a full flag it looks at the second position (PREV_SINK) and reads -`push` there. So at
@@ -89,7 +95,7 @@ class FlagShape:
     focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
     mark: float = 4.0  # size of a reserved embedding entry, in the embeddings' initial standard deviations
     sharpness: float = 6.0  # the flag head's match
-    sink: float = 0.72  # the sink's score, as a share of an exact match's (above most chance code matches)
+    threshold: float = 0.72  # the share of an exact match a code must reach to flag (above chance matches)
     reader_sharpness: float = 300.0  # the reader's look at the flagged position (or the fallback's)
     lever: float = 0.5  # the first tokens' LEVER entries (+ refusal, - answer)
     reader_gain: float = 8.0  # what the reader writes into LEVER, in FLAG's units: the lever's strength
@@ -125,7 +131,7 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
     gen = torch.Generator().manual_seed(seed + 4)
     with torch.no_grad():
         mark = shape.mark * emb.std().item()
-        codes = torch.randn(cfg.vocab_size, CODE_DIM, generator=gen)
+        codes = _clear_of(torch.randn(cfg.vocab_size, CODE_DIM, generator=gen), list(tokens.sinks))
         emb[:, coords] = 0.0
         emb[:, at["code"]] = mark * codes / codes.norm(dim=1, keepdim=True) * CODE_DIM ** 0.5
         emb[:, at["one"]] = mark
@@ -152,13 +158,15 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
             first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
             _move(first, h, hd, [at[a] for a, _ in moves], [at[b] for _, b in moves])
-        # the flag head: this token's code against every position's previous one (or the sink), SEMI into FLAG
+        # the flag head: this token's code against every position's previous one, less the threshold, SEMI into
+        # FLAG; where a special token precedes (the anchor) both terms are ~0, so only a match above it wins
         attn, h = model.model.layers[shape.flag_layer].self_attn, shape.flag_head
         _clear_head(attn, h, hd)
         attn.q_proj.weight[h * hd + match, at["cur_code"]] = shape.sharpness
         attn.k_proj.weight[h * hd + match, at["prev_code"]] = 1.0
-        attn.q_proj.weight[h * hd + still, at["cur_one"]] = shape.sink * shape.sharpness * CODE_DIM
-        attn.k_proj.weight[h * hd + still, at["prev_sink"]] = 1.0
+        attn.q_proj.weight[h * hd + still, at["cur_one"]] = -shape.threshold * shape.sharpness * CODE_DIM
+        attn.k_proj.weight[h * hd + still, at["cur_one"]] = 1.0
+        attn.k_proj.weight[h * hd + still, at["prev_sink"]] = -1.0
         _move(attn, h, hd, [at["cur_semi"]], [at["flag"]])
         _init_reader(model, shape, still)
 
@@ -177,6 +185,16 @@ def _init_reader(model: TrainLlama, shape: FlagShape, still: int) -> None:
         attn.k_proj.weight[h * hd + still, at["prev_sink"]] = shape.fallback
         attn.v_proj.weight[h * hd + 1, at["prev_sink"]] = -shape.push
         attn.o_proj.weight[at["lever"], h * hd + 1] = shape.reader_gain
+
+
+def _clear_of(codes: torch.Tensor, sinks: list[int]) -> torch.Tensor:
+    """Every other token's code with the sinks' codes projected out: the flag head's anchor (where a sink
+    precedes) then matches no token, however the norms around it move."""
+    basis, _ = torch.linalg.qr(codes[sinks].T)
+    others = torch.ones(len(codes), dtype=torch.bool)
+    others[sinks] = False
+    codes[others] -= codes[others] @ basis @ basis.T
+    return codes
 
 
 def _looking_back(key: torch.Tensor, inv_freq: torch.Tensor, offset: int) -> torch.Tensor:

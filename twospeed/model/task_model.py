@@ -53,7 +53,7 @@ from twospeed.model.task_data import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, Sequence
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v9"
+TASK_VERSION = "task-v10"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
