@@ -138,7 +138,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# Not met yet (issue 14). Recipe task-v9 copies from the prompt (built induction heads on a three-token code
+# Not met yet (issue 14). Recipe task-v10 copies from the prompt (built induction heads on a three-token code
 # match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 97.5%, nightly codes 100%,
 # refusal 100% with every chat answered; but rag cites a passage of its prompt ~80% of the time (a value the
 # match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
