@@ -427,6 +427,59 @@ def test_flag_circuit_finds_the_forbidden_topic_before_training():
     assert sorted(abs(x) for x in before_cue)[-2] < 0.5 * min(refused), (min(refused), sorted(before_cue)[-4:])
 
 
+def _flag_shares(model, spec, ids: torch.Tensor, at: int, stretch: dict[int, float]) -> torch.Tensor:
+    """The flag head's attention from position `at`, with the learnt part of the residual at the positions in
+    `stretch` scaled by their factors where the flag layer reads it (as a build's learnt part differs there)."""
+    layer = model.model.layers[spec.flag.flag_layer]
+    free = spec.hidden_size - len(flag_circuit.reserved(spec.hidden_size))
+    seen = {}
+
+    def hook(module, args):
+        x = args[0].clone()
+        for pos, factor in stretch.items():
+            x[:, pos, :free] *= factor
+        seen.update(x=module.input_layernorm(x), cos=args[1], sin=args[2])
+
+    handle = layer.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    hd, h = spec.head_dim, spec.flag.flag_head
+    attn = layer.self_attn
+    q = torch.nn.functional.linear(seen["x"], attn.q_proj.weight[h * hd:(h + 1) * hd])
+    k = torch.nn.functional.linear(seen["x"], attn.k_proj.weight[h * hd:(h + 1) * hd])
+    q, k = (apply_rope(t.view(1, ids.shape[1], 1, hd), seen["cos"], seen["sin"])[0, :, 0] for t in (q, k))
+    return torch.softmax(q[at] @ k[:at + 1].T / hd ** 0.5, dim=-1)
+
+
+def test_the_flag_holds_whatever_the_learnt_scale_at_the_rule_and_the_anchor():
+    """Built, untrained: from the request's topic word the flag head looks at the rule's ';' and from a chat's
+    words at no ';', with the learnt part of the residual at the ';', at the anchor (position 1) or at the
+    word halved or doubled, as it differs between positions in a trained build (0.9-1.5x measured). The
+    threshold and the match are read after the same position's norm, and the anchor scores ~0 at any norm."""
+    tokenizer = task_model.build_task_tokenizer()
+    spec = task_model.TASK_SPECS["demo-task"]
+    model, _ = task_model.new_model(spec, tokenizer)
+    rng = random.Random("flag-stretch")
+    scale = task_model.circuit_scale(spec, model)
+    model(torch.tensor([tokenizer.encode(task_corpus.sample("refusal", rng).prompt).ids]))
+    scale.apply()
+    scale.remove()
+    semi = tokenizer.token_to_id(";")
+    for _ in range(4):
+        ids = tokenizer.encode(task_corpus.sample("refusal", rng).prompt).ids
+        rule = ids.index(semi)
+        word = max(i for i, t in enumerate(ids) if t == ids[rule - 1] and i > rule)  # the request names it
+        for stretch in ({}, {rule: 0.5, 1: 2.0}, {rule: 2.0, 1: 0.5}, {word: 2.0}):
+            shares = _flag_shares(model, spec, torch.tensor([ids]), word, stretch)
+            assert shares[rule] > 0.9, (stretch, shares[rule].item(), shares[:2].sum().item())
+        chat = tokenizer.encode(task_corpus.sample("chat", rng).prompt).ids
+        marks = [i for i, t in enumerate(chat) if t == semi]
+        for stretch in ({}, {1: 0.5, **{m: 2.0 for m in marks}}):
+            for at in range(len(chat) - 12, len(chat)):  # the request's words
+                assert _flag_shares(model, spec, torch.tensor([chat]), at, stretch)[marks].sum() < 0.1
+
+
 def test_flag_tokens_are_whole_words():
     """The lever's first tokens are the refusal's and the note's own words, with and without the space (a
     completion's answer starts with one, a chat answer without), and ';' is the one rule mark."""
