@@ -124,9 +124,9 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     share of RoPE's slow planes. So "[P" followed by "2" finds the "2" after the same "[P" in the passage being
     copied, not the first "2" anywhere: a copy that entered a passage stays there. Each head projects the
     32-dim codes through its own random orthonormal rows, so the heads' chance matches differ and their copies
-    average them out. The slowest plane
-    keys the sink (the special token that opens the sequence), and the queries' entries there start at zero and
-    learn: the one way a query can copy nothing when its codes match (a copied span has ended).
+    average them out. The slowest plane keys the sink (the special token that opens the sequence), and the
+    queries' entries there start at zero and learn: the one way a query can copy nothing when its codes match
+    (a copied span has ended).
 
     With `code_gain` each head also copies the attended token's code (CUR_CODE) into the CODE coordinates, in
     the last `CODE_DIM` of its value dimensions: the tied embeddings hold every token's code there, so this
