@@ -5,7 +5,8 @@ Why: random weights make the lab's gates fail by construction, a quantization ga
 quantization from a good one, and speculative acceptance measured on noise says nothing. Nothing can be
 downloaded, so twospeed trains its own: a byte-level BPE tokenizer fitted to the corpus, then a Llama
 (model/train_llama.py, HF parameter names) trained on answers only, AdamW with warmup and cosine decay,
-bf16 autocast where the CPU has bf16 matmuls (AMX / AVX-512 BF16), float32 elsewhere.
+bf16 autocast where this CPU runs it clearly faster than float32 (measured once: model/train_dtype.py), float32
+elsewhere.
 
 Copying from the prompt (an id from the evidence, the passage id after a fact) is what minutes of training
 do not learn by themselves: measured, heads taught where to look still wrote the memorised, frequent ids,
@@ -50,6 +51,7 @@ from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, fla
                                          reserved)
 from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
 from twospeed.model.task_data import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, Sequence, batches, collate  # noqa: F401
+from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
@@ -151,13 +153,9 @@ def tokenizer_config(spec: TaskModelSpec) -> dict:
 
 # -- training ----------------------------------------------------------------------------------------------
 def bf16_matmuls() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX or AVX-512 BF16): then autocast is several times
-    faster than float32; elsewhere it would be slower, and training stays in float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """Whether this machine trains in bf16 autocast: where it is measured clearly faster than float32
+    (model/train_dtype.py; recorded in the cache folder, so a machine decides once)."""
+    return train_in_bf16(TRAIN_THREADS)
 
 
 def init_weights(model: TrainLlama, seed: int) -> None:
