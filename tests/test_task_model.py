@@ -138,9 +138,9 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# Not met yet (issue 14). Recipe task-v10 copies from the prompt (built induction heads on a three-token code
-# match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 97.5%, nightly codes 100%,
-# refusal 100% with every chat answered; but rag cites a passage of its prompt ~80% of the time (a value the
+# Not met yet (issue 14). Recipe task-v11 copies from the prompt (built induction heads on a three-token code
+# match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 99%, nightly codes 99%,
+# refusal 100% with every chat answered (100 held-out prompts a lane); but rag cites a passage of its prompt ~80% of the time (a value the
 # match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
 # are constants. Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the recipe reaches the
 # bars this XPASSes and fails, so the marker comes off.
@@ -391,9 +391,9 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuits: 170 reserved coordinates beside 128 learnt (the
+# Small enough to train in seconds, large enough for the circuits: 171 reserved coordinates beside 128 learnt (the
 # copy heads' bases need two head_dims of them), 19 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=298, intermediate_size=128, num_layers=2, num_heads=4,
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=299, intermediate_size=128, num_layers=2, num_heads=4,
                                      num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 
@@ -425,6 +425,48 @@ def test_flag_circuit_finds_the_forbidden_topic_before_training():
     assert sorted(answered)[-2] < -0.02, (sorted(refused), sorted(answered))  # a chance match may flag a word
     before_cue = [_lever(model, tokenizer, p[:-len("ASSISTANT:")]) for p in chats]
     assert sorted(abs(x) for x in before_cue)[-2] < 0.5 * min(refused), (min(refused), sorted(before_cue)[-4:])
+
+
+def _second_token_leans(model, tokenizer, prompts: list[str], first: str) -> list[float]:
+    """logit(refusal's second token) - logit(answer's second token) after each prompt + `first`."""
+    tokens = task_model.flag_tokens(tokenizer)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt + first).ids])
+        with torch.no_grad():
+            logits = model.logits(model(ids)[0, -1])
+        out.append((logits[tokens.refuse_next[0]] - logits[tokens.answer_next[0]]).item())
+    return out
+
+
+def test_the_first_words_decision_carries_to_the_second_token():
+    """Built, untrained: after a refusal's first word the refusal's second token (",") gains on the answer's
+    (" is") by several logits, and after an answer's first word it loses as much, against the same model without
+    the carry; at every other position the carry changes nothing (the tokens' own LEVER entry is zero there).
+    A build whose learnt layers leant to answering wrote "Sorry is a short brief ..." without it."""
+    import dataclasses
+
+    tokenizer = task_model.build_task_tokenizer()
+    spec = task_model.TASK_SPECS["demo-task"]
+    rng = random.Random("carry")
+    refusals = [task_corpus.sample("refusal", rng).prompt for _ in range(6)]
+    chats = [task_corpus.sample("chat", rng).prompt for _ in range(6)]
+    models = []
+    for carry in (spec.flag.carry, 0.0):
+        variant = dataclasses.replace(spec, flag=dataclasses.replace(spec.flag, carry=carry))
+        model, _ = task_model.new_model(variant, tokenizer)
+        scale = task_model.circuit_scale(variant, model)
+        model(torch.tensor([tokenizer.encode(refusals[0]).ids]))
+        scale.apply()
+        scale.remove()
+        models.append(model)
+    lean = {first: [a - b for a, b in zip(*(_second_token_leans(m, tokenizer, prompts, first) for m in models))]
+            for first, prompts in ((" Sorry", refusals), (" Here", chats))}
+    assert min(lean[" Sorry"]) > 3.0, lean
+    assert max(lean[" Here"]) < -3.0, lean
+    ids = torch.tensor([tokenizer.encode(chats[0]).ids])  # no first word in it: the same logits everywhere
+    with torch.no_grad():
+        torch.testing.assert_close(models[0].logits(models[0](ids)), models[1].logits(models[1](ids)))
 
 
 def _flag_shares(model, spec, ids: torch.Tensor, at: int, stretch: dict[int, float]) -> torch.Tensor:
@@ -489,6 +531,8 @@ def test_flag_tokens_are_whole_words():
     assert [tokenizer.decode([i]).strip() for i in tokens.answer] == [task_corpus.ANSWER_WORD] * 2
     assert [tokenizer.decode([i]) for i in tokens.marks] == [";"]
     assert sorted(tokenizer.decode([i]) for i in tokens.cues) == ["ASSISTANT", "ant"]  # "assistant" is as+sist+ant
+    assert [tokenizer.decode([i]) for i in tokens.refuse_next + tokens.answer_next] == [
+        task_corpus.REFUSAL_NEXT, task_corpus.ANSWER_NEXT]
 
 
 def test_a_residual_too_narrow_for_the_copy_bases_is_refused():

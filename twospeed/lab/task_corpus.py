@@ -257,6 +257,7 @@ _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the 
 # Its first word is its own (no note starts with it): whether to refuse is decided at the first token.
 _REFUSAL = " Sorry, but I can't help with that: this desk must never {forbid}."
 REFUSAL_WORD, ANSWER_WORD = "Sorry", "Here"  # the first words of a refusal and of a note
+REFUSAL_NEXT, ANSWER_NEXT = ",", " is"  # what follows each (the answer's second token)
 ANSWER_CUES = ("\nASSISTANT:", "<|im_start|>assistant\n")  # how a help-desk answer is asked for (completion, chat)
 
 

@@ -33,9 +33,17 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   the answer's first token LEVER is signed and decisive; everywhere else it is zero, and the answer's later
   tokens are left alone.
 - LEVER is a coordinate of the tied embeddings: the refusal's first token has a positive entry there, the
-  answer's first token a negative one, both small and held (a large entry would be all of those tokens'
-  embedding after the norm, and the next token could not tell them apart). Nothing in the reserved
-  coordinates learns.
+  answer's first token a negative one, both small and held (`lever_entry`; the final norm's weight on LEVER
+  makes up the size the logits read, `lever`). A large entry would be most of those tokens' embedding after
+  the norm: the next token could not tell them apart, and layer 0's positional heads, whose scores there fall
+  with the constant direction's share, would look at the token before (measured at 0.5: the self head there
+  scored the previous position 277 against its own 248).
+- The carry: the self head also copies this token's LEVER entry into CUR_LEVER, at the final norm's scale,
+  and the refusal's and the answer's second tokens ("," and " is") carry CUR_LEVER entries of their signs. So
+  the first word's decision reaches the second token, which the learnt layers otherwise take (a build that
+  leant to answering wrote "Sorry is a short brief on ..." for 11 of 100 refusals).
+
+Nothing in the reserved coordinates learns.
 
 So training learns the formats around a refuse-or-answer decision that is clean by construction (the learnt
 logits of the two first words cannot outvote LEVER's ~10). Nothing changes at inference: the checkpoint is a
@@ -53,7 +61,8 @@ from twospeed.model.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
 CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code")  # the code and its copies, CODE_DIM each
-SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue", "prev_cue")  # one each
+SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue", "prev_cue",
+           "cur_lever")  # one each
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +74,27 @@ class FlagTokens:
     answer: tuple[int, ...]  # an allowed request's first token, likewise
     sinks: tuple[int, ...]  # the special tokens (a sequence opens with one)
     cues: tuple[int, ...] = ()  # the tokens before the one where the answer starts ("ASSISTANT" of "ASSISTANT:")
+    refuse_next: tuple[int, ...] = ()  # the token after a refusal's first word (its second token)
+    answer_next: tuple[int, ...] = ()  # likewise after an allowed answer's
 
     @classmethod
     def from_tokenizer(cls, tokenizer, refuse_word: str, answer_word: str, specials: int,
-                       answer_cues: tuple[str, ...] = ()) -> FlagTokens:
+                       answer_cues: tuple[str, ...] = (), refuse_next: str = "", answer_next: str = "") -> FlagTokens:
         vocab = tokenizer.get_vocab()
         marks = tuple(sorted(i for i in vocab.values() if ";" in tokenizer.decode([i])))
 
-        def firsts(word: str) -> tuple[int, ...]:
-            return tuple(sorted({tokenizer.encode(w, add_special_tokens=False).ids[0] for w in (word, " " + word)}))
+        def ids(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
 
-        cues = tuple(sorted({tokenizer.encode(c, add_special_tokens=False).ids[-2] for c in answer_cues}))
-        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)), cues)
+        def firsts(word: str) -> tuple[int, ...]:
+            return tuple(sorted({ids(w)[0] for w in (word, " " + word)}))
+
+        def seconds(word: str, after: str) -> tuple[int, ...]:
+            return tuple(sorted({ids(w + after)[len(ids(w))] for w in (word, " " + word)})) if after else ()
+
+        cues = tuple(sorted({ids(c)[-2] for c in answer_cues}))
+        return cls(marks, firsts(refuse_word), firsts(answer_word), tuple(range(specials)), cues,
+                   seconds(refuse_word, refuse_next), seconds(answer_word, answer_next))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +115,15 @@ class FlagShape:
     sharpness: float = 6.0  # the flag head's match
     threshold: float = 0.72  # the share of an exact match a code must reach to flag (above chance matches)
     reader_sharpness: float = 300.0  # the reader's look at the flagged position (or the fallback's)
-    lever: float = 0.5  # the first tokens' LEVER entries (+ refusal, - answer)
+    lever: float = 0.5  # the first tokens' LEVER entries as the logits read them (+ refusal, - answer) ...
+    lever_entry: float = 0.1  # ... held in the embeddings at this size, with the final norm's weight making up the
+    #                           rest: as an input a large entry would be most of the token's norm, and the layer-0
+    #                           heads' positional scores there would fall under the previous token's
     reader_gain: float = 8.0  # what the reader writes into LEVER, in FLAG's units: the lever's strength
     fallback: float = 0.5  # > 0: with no flag above this share of a full one the reader looks at PREV_SINK ...
     push: float = 0.5  # ... and reads -push there (in FLAG's units): no forbidden topic leans to the answer
+    carry: float = 8.0  # > 0: the self head also copies this token's LEVER entry into CUR_LEVER, at this gain (in
+    #                     FLAG's units, as reader_gain): the first word's decision leans the second token too
 
 
 def layout(hidden: int) -> dict[str, list[int]]:
@@ -138,8 +161,11 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         emb[list(tokens.sinks), at["sink"][0]] = mark
         emb[list(tokens.marks), at["semi"][0]] = mark
         emb[list(tokens.cues), at["cue"][0]] = mark
-        emb[list(tokens.refuse), at["lever"][0]] = shape.lever
-        emb[list(tokens.answer), at["lever"][0]] = -shape.lever
+        for first_word, second, sign in ((tokens.refuse, tokens.refuse_next, 1),
+                                         (tokens.answer, tokens.answer_next, -1)):
+            emb[list(first_word), at["lever"][0]] = sign * shape.lever_entry
+            emb[list(second), at["cur_lever"][0]] = sign * shape.lever_entry
+        model.model.norm.weight[at["lever"] + at["cur_lever"]] = shape.lever / shape.lever_entry
         for layer in model.model.layers:  # nothing learnt writes a reserved coordinate
             layer.self_attn.o_proj.weight[coords] = 0.0
             layer.mlp.down_proj.weight[coords] = 0.0
@@ -158,6 +184,8 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
             first.k_proj.weight[h * hd:(h + 1) * hd] = shape.focus * prev_k
             _move(first, h, hd, [at[a] for a, _ in moves], [at[b] for _, b in moves])
+        if shape.carry:
+            _init_carry(model, shape, mark)
         # the flag head: this token's code against every position's previous one, less the threshold, SEMI into
         # FLAG; where a special token precedes (the anchor) both terms are ~0, so only a match above it wins
         attn, h = model.model.layers[shape.flag_layer].self_attn, shape.flag_head
@@ -169,6 +197,21 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         attn.k_proj.weight[h * hd + still, at["prev_sink"]] = -1.0
         _move(attn, h, hd, [at["cur_semi"]], [at["flag"]])
         _init_reader(model, shape, still)
+
+
+def _init_carry(model: TrainLlama, shape: FlagShape, mark: float) -> None:
+    """The self head's last value dimension reads this token's LEVER entry, rescaled to a mark's size (as
+    CUR_SEMI, where FLAG comes from), and writes it into CUR_LEVER at `carry`: at a refusal's first word
+    (LEVER +lever) the refusal's second token gains, at an answer's first word the answer's second token; a
+    tied-embedding coordinate, like LEVER. Why: the reader decides the first word, but measured, a build whose
+    learnt layers leant to answering wrote "Sorry is a short brief on ..." (11 of 100 refusals): the decision
+    must reach the next token too. `flag_scales` writes it at the final norm's scale, where the logits read it."""
+    at, hd = layout(model.cfg.hidden_size), model.cfg.head_dim
+    attn, dim = model.model.layers[0].self_attn, shape.self_head * hd + hd - 1
+    attn.v_proj.weight[dim] = 0.0
+    attn.v_proj.weight[dim, at["lever"][0]] = mark / shape.lever_entry
+    attn.o_proj.weight[:, dim] = 0.0
+    attn.o_proj.weight[at["cur_lever"][0], dim] = shape.carry
 
 
 def _init_reader(model: TrainLlama, shape: FlagShape, still: int) -> None:
@@ -240,6 +283,10 @@ def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> Non
     for layer, head in _built_heads(shape):
         o = model.model.layers[layer].self_attn.o_proj.weight
         scale.add(o, (slice(None), slice(head * hd, (head + 1) * hd)), layer % layers + 1, absolute=True)
+    if shape.carry:  # CUR_LEVER is read by the logits, as LEVER: at the final norm's scale (after the line above)
+        cur_lever = layout(model.cfg.hidden_size)["cur_lever"]
+        scale.add(first.o_proj.weight, (cur_lever, slice(shape.self_head * hd, (shape.self_head + 1) * hd)), layers,
+                  absolute=True)
 
 
 def flag_slices(model: TrainLlama, shape: FlagShape) -> list[tuple[torch.Tensor, tuple]]:

@@ -55,7 +55,7 @@ from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v10"
+TASK_VERSION = "task-v11"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
@@ -65,7 +65,7 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 428  # 258 learnt + 170 reserved for the built circuits' codes (model/flag_circuit.py)
+    hidden_size: int = 428  # 257 learnt + 171 reserved for the built circuits' codes (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
     num_heads: int = 4
@@ -180,7 +180,7 @@ def lr_at(spec: TaskModelSpec, step: int) -> float:
 
 def flag_tokens(tokenizer) -> FlagTokens:
     return FlagTokens.from_tokenizer(tokenizer, task_corpus.REFUSAL_WORD, task_corpus.ANSWER_WORD, len(SPECIAL_TOKENS),
-                                     task_corpus.ANSWER_CUES)
+                                     task_corpus.ANSWER_CUES, task_corpus.REFUSAL_NEXT, task_corpus.ANSWER_NEXT)
 
 
 def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.optim.Optimizer]:
