@@ -3,9 +3,9 @@
 Why: a CPU flag does not say which is faster. bf16 autocast halves a matmul's bytes and, with AMX or a
 full-width AVX-512 BF16 unit, its time (a 1,000-step build: ~109 s in bf16 on a Zen 5). But on a Xeon that
 exposes AVX-512 BF16 without AMX, oneDNN's bf16 product of a training step's shape ran at about half float32's
-speed ([1536 x 428] x [428 x 2048], 2 threads: 31 against 17 ms) and a whole step 1.45x slower (0.58 against
-0.40 s). Without bf16 instructions bf16 is a scalar fallback (model/compute_dtype.py). So the trainer times the
-step's largest product both ways and trains in bf16 only where it clearly wins.
+speed ([1536 x 428] x [428 x 2048], 2 threads, best of 7: 16.8 against 9.7 ms) and a whole step 1.45x
+slower (0.58 against 0.40 s). Without bf16 instructions bf16 is a scalar fallback (model/compute_dtype.py).
+So the trainer times the step's largest product both ways and trains in bf16 only where it clearly wins.
 
 The answer is written to the cache folder under the CPU's name, torch's version and the thread count: a
 machine decides once, and a build's weights, which depend on the choice (model/task_model.spec_key), are the
