@@ -140,8 +140,8 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
 
 # Not met yet (issue 14). Recipe task-v11 copies from the prompt (built induction heads on a three-token code
 # match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 99%, nightly codes 99%,
-# refusal 100% with every chat answered (100 held-out prompts a lane); but rag cites a passage of its prompt ~80% of the time (a value the
-# match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
+# refusal 100% with every chat answered (100 held-out prompts a lane); but rag cites a passage of its prompt
+# ~80% of the time (a value the match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
 # are constants. Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the recipe reaches the
 # bars this XPASSes and fails, so the marker comes off.
 NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's rag citations and content decisions miss the bars (issue 14)")

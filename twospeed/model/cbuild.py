@@ -50,8 +50,9 @@ class KernelBuildError(RuntimeError):
     """A kernel failed to compile or load on a machine whose compiler and CPU support it."""
 
 
-def _cpu_id() -> str:
-    """The CPU's model and feature flags (Linux), else what platform knows."""
+def cpu_id() -> str:
+    """The CPU's model and feature flags (Linux), else what platform knows: what a build or a measurement
+    made for this CPU is keyed by (a VM can hide AMX under the same model name)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         return " ".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
@@ -110,7 +111,7 @@ def build_library(name: str) -> ctypes.CDLL | None:
         _unsupported_here(name, "no C compiler: CC is unset and there is no cc or gcc on PATH")
         return None
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers it may include
-    key = hashlib.sha256(text + " ".join([cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([cc, *FLAGS, cpu_id()]).encode()).hexdigest()[:16]
     lib = cache_root() / "kernels" / f"{name}-{key}.so"
     if lib in _failed:
         raise _failed[lib]

@@ -7,16 +7,16 @@ speed ([1536 x 428] x [428 x 2048], 2 threads, best of 7: 16.8 against 9.7 ms) a
 slower (0.58 against 0.40 s). Without bf16 instructions bf16 is a scalar fallback (model/compute_dtype.py).
 So the trainer times the step's largest product both ways and trains in bf16 only where it clearly wins.
 
-The answer is written to the cache folder under the CPU's name, torch's version and the thread count: a
+The answer is written to the cache folder under the CPU (model and flags), torch's version and the thread count: a
 machine decides once, and a build's weights, which depend on the choice (model/task_model.spec_key), are the
 same from one run to the next.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from twospeed.config import cache_root
+from twospeed.model.cbuild import cpu_id
 from twospeed.model.checkpoint import build_lock
 from twospeed.model.compute_dtype import cpu_computes
 
@@ -51,18 +52,10 @@ def train_in_bf16(threads: int, measure: Callable[[torch.dtype, int], float] | N
 
 
 def machine_key(threads: int) -> str:
-    """What the choice depends on: the CPU model, torch's version (its oneDNN), the thread count."""
-    return f"{cpu_name()} | torch {torch.__version__} | {threads} threads"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """What the choice depends on: the CPU (its model and flags, as kernel builds are keyed), torch's version
+    (its oneDNN), the thread count."""
+    cpu = hashlib.sha256(cpu_id().encode()).hexdigest()[:16]
+    return f"cpu {cpu} | torch {torch.__version__} | {threads} threads"
 
 
 def product_time(dtype: torch.dtype, threads: int, repeats: int = 7) -> float:
