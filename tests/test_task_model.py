@@ -138,23 +138,33 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# Not met yet (issue 14). Recipe task-v11 copies from the prompt (built induction heads on a three-token code
-# match) and refuses by a built flag circuit (model/flag_circuit.py): agent json 99%, nightly codes 99%,
-# refusal 100% with every chat answered (100 held-out prompts a lane); but rag cites a passage of its prompt
-# ~80% of the time (a value the match cannot single out is invented, and its id with it) and the content decisions (which tool, which code)
-# are constants. Held-out, bf16, greedy, benchmarks/bench_task_model.py. strict: when the recipe reaches the
-# bars this XPASSes and fails, so the marker comes off.
-NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's rag citations and content decisions miss the bars (issue 14)")
+# The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v12 copies from the
+# prompt with built induction heads on a five-token code match (taught to copy nothing where the answer's next
+# token comes from nowhere) and refuses by a built flag circuit (model/flag_circuit.py).
+@pytest.fixture(scope="module")
+def unconstrained(task_llm) -> tuple[dict, dict]:
+    """Every gate's pass rate on the held-out prompts (greedy, no grammar), and the same as a readable report."""
+    examples = heldout()
+    rates = pass_rates(examples, generate(task_llm, examples))
+    return rates, {f"{lane}/{gate}": round(r, 3) for (lane, gate), r in sorted(rates.items())}
+
+
+def test_lanes_pass_their_gates_unconstrained(unconstrained):
+    rates, report = unconstrained
+    for key, bar in BARS.items():
+        assert rates[key] >= bar, (key, report)
+
+
+# Not met yet (issue 14): the decisions that pick content (which tool, which code) are not learnt; agent and
+# nightly answers are well formed but mostly name the wrong tool or code (benchmarks/bench_task_model.py).
+# strict: when a recipe learns them this XPASSes and fails, so the marker comes off.
+NOT_YET = pytest.mark.xfail(strict=True, reason="demo-task's content decisions (tool, code) are not learnt (issue 14)")
 
 
 @NOT_YET
-def test_lanes_pass_their_gates_unconstrained(task_llm):
-    examples = heldout()
-    rates = pass_rates(examples, generate(task_llm, examples))
-    report = {f"{lane}/{gate}": round(r, 3) for (lane, gate), r in sorted(rates.items())}
-    for key, bar in BARS.items():
-        assert rates[key] >= bar, (key, report)
-    # The content, not only the form: the right tool and id, the passage that holds the answer, the code.
+def test_lanes_pick_the_right_content(unconstrained):
+    """The content, not only the form: the right tool and id, the passage that holds the answer, the code."""
+    rates, report = unconstrained
     for lane in ("agent", "rag", "nightly"):
         assert rates[(lane, "correct")] >= 0.8, (lane, report)
 
@@ -254,16 +264,17 @@ def test_built_induction_heads_find_the_earlier_copy():
     assert _induction_hits(dataclasses.replace(spec, probe_weight=0.0)) < 0.1
 
 
-def test_code_induction_matches_three_tokens():
-    """The copy heads match the token before and the two before that, on the flag circuit's fixed token codes:
-    on strings of 8 distinct tokens (pairs recur, most triples do not) they find the one earlier position that
-    continues this triple, where a two-token match is split between the pair's several continuations."""
+def test_code_induction_matches_five_tokens():
+    """The copy heads match this token and the four before it, on the flag circuit's fixed token codes: on
+    strings of 4 distinct tokens (most four-token runs recur, five-token ones seldom) they find the one earlier
+    position that continues this run, where a three-token match is split between the run's several
+    continuations ("is owned by" in every passage of that kind)."""
     import dataclasses
 
     spec = task_model.TASK_SPECS["demo-task"]
-    assert spec.code_context == 3 and spec.flag.back3_head is not None
-    assert _induction_hits(spec, alphabet=8, context=3, strings=8) >= 0.9
-    assert _induction_hits(dataclasses.replace(spec, code_context=2), alphabet=8, context=3, strings=8) < 0.7
+    assert spec.code_context == 5 and len(spec.flag.far_heads) == 2
+    assert _induction_hits(spec, alphabet=4, context=5, strings=8) >= 0.85
+    assert _induction_hits(dataclasses.replace(spec, code_context=3), alphabet=4, context=5, strings=8) < 0.7
 
 
 def test_copied_code_names_the_copied_token():
@@ -321,6 +332,48 @@ def test_probe_output_is_what_the_copy_heads_write():
         model(ids)
     share = (outs[0] - outs[1])[probe.batch, probe.query]
     torch.testing.assert_close(probe.output, share, atol=1e-5, rtol=1e-4)
+
+
+def test_probe_loss_weighs_each_target_by_its_share():
+    """probe_loss against a spelled-out softmax: -sum(share x log attention at the target), over the causal
+    prefix, averaged over the probed heads; equal shares give the plain mean."""
+    from twospeed.model.train_llama import probe_loss
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    batch, query, target = torch.tensor([0, 1, 1, 0]), torch.tensor([4, 9, 2, 7]), torch.tensor([1, 0, 2, 7])
+    share = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    ref = 0.0
+    for head in (0, 1):
+        for b, i, j, w in zip(batch, query, target, share):
+            scores = q[b, head, i] @ k[b, head, :i + 1].T / 8 ** 0.5
+            ref -= w * scores.log_softmax(-1)[j] / 2
+    probe = task_model.AttentionProbe(0, (0, 1), batch, query, target, share)
+    torch.testing.assert_close(probe_loss(q, k, probe), ref)
+    alike = task_model.AttentionProbe(0, (0, 1), batch, query, target)
+    even = task_model.AttentionProbe(0, (0, 1), batch, query, target, torch.full((4,), 0.25))
+    torch.testing.assert_close(probe_loss(q, k, alike), probe_loss(q, k, even))
+
+
+def test_every_answer_token_is_copied_or_abstains():
+    """collate splits the answer tokens: each copied one probes its source, each other one the sequence's first
+    token (a special token, where the copy heads copy nothing); copy_probe weighs the two groups' means as
+    1 : abstain_weight and marks how many lead as copies (the copy loss reads only those)."""
+    spec = task_model.TASK_SPECS["demo-task"]
+    step = next(task_data.batches(spec, task_model.build_task_tokenizer()))
+    ids, *_, copies, abstains = task_data.collate(step)
+    copied, away = set(zip(*copies)), set(zip(*abstains))
+    assert not copied & away
+    for i, s in enumerate(step):
+        answer = {q - 1 for start, end in s.answers for q in range(start, end)}
+        assert {p for b, p, _ in copied | away if b == i} == answer
+        assert all(s.sources[p + 1] == j for b, p, j in copied if b == i)
+    assert all(j == 0 for _, _, j in away) and all(ids[:, 0] < len(task_data.SPECIAL_TOKENS))
+    probe = task_model.copy_probe(spec, copies, abstains)
+    n = probe.copied
+    assert n == len(copies[0]) and len(probe.target) == n + len(abstains[0])
+    torch.testing.assert_close(probe.weight[:n].sum(), torch.tensor(1.0))
+    torch.testing.assert_close(probe.weight[n:].sum(), torch.tensor(spec.abstain_weight))
 
 
 @pytest.mark.task_model  # trains a tiny spec
@@ -391,10 +444,10 @@ def test_training_model_is_hf_llama():
 
 
 # -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
-# Small enough to train in seconds, large enough for the circuits: 171 reserved coordinates beside 128 learnt (the
+# Small enough to train in seconds, large enough for the circuits: 235 reserved coordinates beside 128 learnt (the
 # copy heads' bases need two head_dims of them), 19 slow RoPE planes.
-TINY_FLAG = task_model.TaskModelSpec(hidden_size=299, intermediate_size=128, num_layers=2, num_heads=4,
-                                     num_kv_heads=4, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
+TINY_FLAG = task_model.TaskModelSpec(hidden_size=363, intermediate_size=128, num_layers=2, num_heads=6,
+                                     num_kv_heads=6, head_dim=64, steps=6, batch_tokens=512, warmup_steps=2,
                                      copy_heads=1, scale_circuit=False)
 
 

@@ -121,8 +121,10 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     """Turn the induction heads' match from one token to `context` tokens, on the fixed token codes of the
     reserved coordinates (model/flag_circuit.py): at i the query reads the codes of this token and the
     `context` - 1 before it, at j the key reads those of the `context` tokens before j, each pair in its own
-    share of RoPE's slow planes. So "[P" followed by "2" finds the "2" after the same "[P" in the passage being
-    copied, not the first "2" anywhere: a copy that entered a passage stays there. Each head projects the
+    share of RoPE's slow planes (`_pair_planes`). So "[P" followed by "2" finds the "2" after the same "[P" in the
+    passage being copied, not the first "2" anywhere: a copy that entered a passage stays there; and with five
+    tokens the value after "is owned by" is the one in the passage whose noun and subject came before it, not
+    a sibling passage's of the same kind. Each head projects the
     32-dim codes through its own random orthonormal rows, so the heads' chance matches differ and their copies
     average them out. The slowest plane keys the sink (the special token that opens the sequence), and the
     queries' entries there start at zero and learn: the one way a query can copy nothing when its codes match
@@ -136,8 +138,8 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
     slow = model.slow_planes()
     match, still = slow[:-1], slow[-1]
-    codes = ("cur_code", "prev_code", "prev2_code", "prev3_code")[:context + 1]
-    pairs = tuple((match[n::context], codes[n], codes[n + 1]) for n in range(context))
+    codes = ("cur_code", "prev_code", "prev2_code", "prev3_code", "prev4_code", "prev5_code")[:context + 1]
+    pairs = tuple((planes, codes[n], codes[n + 1]) for n, planes in enumerate(_pair_planes(match, context)))
     attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 5)
     with torch.no_grad():
@@ -160,6 +162,18 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
                 attn.o_proj.weight[:, o_cols] = 0.0
                 attn.v_proj.weight[v_rows, torch.tensor(at["cur_code"])] = 1.0
                 attn.o_proj.weight[torch.tensor(at["code"]), o_cols] = code_gain / heads
+
+
+def _pair_planes(match: torch.Tensor, context: int) -> list[torch.Tensor]:
+    """Each compared pair's share of the match planes. Up to three tokens, alike (interleaved); beyond, the
+    three nearest keep most and the farther ones get two planes each: a pair's weight in the score is its share
+    of the planes, so the far tokens break the ties between equal three-token matches ("is owned by" in every
+    passage of that kind) without outvoting a nearer mismatch."""
+    if context <= 3:
+        return [match[n::context] for n in range(context)]
+    far = 2 * (context - 3)
+    near, rest = match[:len(match) - far], match[len(match) - far:]
+    return [near[n::3] for n in range(3)] + [rest[2 * n:2 * n + 2] for n in range(context - 3)]
 
 
 def _code_columns(head: int, group: int, hd: int, code: int) -> torch.Tensor:

@@ -12,8 +12,9 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   (lab/task_corpus.py).
 - Layer 0: a code head (previous-token attention) copies the previous token's CODE, SINK and CUE into
   PREV_CODE, PREV_SINK and PREV_CUE; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE
-  and CUR_SEMI; back-2 and back-3 heads copy the CODE two and three tokens back into PREV2_CODE and PREV3_CODE
-  (for the copy heads' three-token match, copy_circuit.init_code_induction). Later layers read these copies,
+  and CUR_SEMI; back-2, back-3 and the far heads copy the CODE two to five tokens back into PREV2_CODE ..
+  PREV5_CODE (for the copy heads' five-token match, copy_circuit.init_code_induction). Later layers read these
+  copies,
   which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which a
   growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
@@ -60,7 +61,7 @@ from twospeed.model.circuit_scale import CircuitScale
 from twospeed.model.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
-CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code")  # the code and its copies, CODE_DIM each
+CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code", "prev4_code", "prev5_code")  # CODE_DIM each
 SINGLES = ("sink", "prev_sink", "one", "cur_one", "semi", "cur_semi", "flag", "lever", "cue", "prev_cue",
            "cur_lever")  # one each
 
@@ -108,6 +109,8 @@ class FlagShape:
     code_head: int = 1  # layer 0's head that copies the previous token's code (head 0 is the copy circuit's)
     self_head: int = 2  # layer 0's head that copies this token's code, ONE and SEMI, at the residual's scale
     back2_head: int = 3  # layer 0's head that copies the code two tokens back (the copy heads' two-token match)
+    far_heads: tuple[int, ...] = ()  # layer 0's heads that copy the codes four and five tokens back (a five-token
+    #                                   match: the heads beyond the first four, num_heads 6)
     back3_head: int | None = None  # layer 0's head that copies the code three tokens back (a three-token match);
     #                                 0 takes the copy circuit's previous-token head, which a code match leaves unread
     focus: float = 6.0  # their queries, as a multiple of head 0's (whose attention blurs over neighbours)
@@ -173,12 +176,14 @@ def init_flag_circuit(model: TrainLlama, tokens: FlagTokens, shape: FlagShape, s
         prev_q, prev_k = first.q_proj.weight[:hd].clone(), first.k_proj.weight[:hd].clone()
         back2_q, back3_q = (_looking_back(prev_k, model.inv_freq, n) for n in (2, 3))
         # the code head looks one token back (head 0's query and key), the self head at this token (key as
-        # query), the back-2 and back-3 heads two and three tokens back
+        # query), the back-2, back-3 and far heads two to five tokens back
         heads = ((shape.code_head, prev_q, (("code", "prev_code"), ("sink", "prev_sink"), ("cue", "prev_cue"))),
                  (shape.self_head, prev_k, (("code", "cur_code"), ("one", "cur_one"), ("semi", "cur_semi"))),
                  (shape.back2_head, back2_q, (("code", "prev2_code"),)))
         if shape.back3_head is not None:
             heads += ((shape.back3_head, back3_q, (("code", "prev3_code"),)),)
+        for n, h in enumerate(shape.far_heads, start=4):
+            heads += ((h, _looking_back(prev_k, model.inv_freq, n), (("code", f"prev{n}_code"),)),)
         for h, q, moves in heads:
             _clear_head(first, h, hd)
             first.q_proj.weight[h * hd:(h + 1) * hd] = shape.focus * q
@@ -267,6 +272,7 @@ def _move(attn, head: int, hd: int, sources: list[list[int]], targets: list[list
 def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
     """(layer, head) of every head this module builds."""
     back3 = () if shape.back3_head is None else ((0, shape.back3_head),)
+    back3 += tuple((0, h) for h in shape.far_heads)
     return ((0, shape.code_head), (0, shape.self_head), (0, shape.back2_head)) + back3 + (
         (shape.flag_layer, shape.flag_head), (shape.reader_layer, shape.reader_head))
 

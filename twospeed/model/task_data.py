@@ -123,8 +123,8 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
         yield from steps
 
 
-def collate(step: list[Sequence], first_weight: float = 1.0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple, tuple]:
     """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
 
     Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
@@ -138,8 +138,13 @@ def collate(step: list[Sequence], first_weight: float = 1.0
             rows.append(torch.arange(start - 1, end - 1) + i * t)  # position p predicts token p + 1
             targets.append(ids[i, start:end])
             w = torch.ones(end - start)
+            w[-1] = last_weight
             w[0] = first_weight
             weights.append(w)
     targets, weights = torch.cat(targets), torch.cat(weights)
     copies = [(i, q - 1, j) for i, s in enumerate(step) for q, j in s.sources.items()]  # (row, query, key)
-    return ids, torch.cat(rows), targets, weights / weights.sum(), tuple(zip(*copies))
+    # the answer tokens copied from nowhere (format, prose, the stop token): there the copy heads should look at
+    # the sequence's first token, a special one, and copy nothing
+    abstains = [(i, q - 1, 0) for i, s in enumerate(step) for start, end in s.answers
+                for q in range(start, end) if q not in s.sources]
+    return ids, torch.cat(rows), targets, weights / weights.sum(), tuple(zip(*copies)), tuple(zip(*abstains))

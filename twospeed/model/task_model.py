@@ -55,7 +55,7 @@ from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v11"
+TASK_VERSION = "task-v12"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
@@ -65,22 +65,23 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 428  # 257 learnt + 171 reserved for the built circuits' codes (model/flag_circuit.py)
+    hidden_size: int = 492  # 257 learnt + 235 reserved for the built circuits' codes (model/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 4
+    num_heads: int = 6  # layer 0's six are all built (model/flag_circuit.py); later layers' beyond the circuits learn
+    num_kv_heads: int = 6
     head_dim: int = 64
     max_position_embeddings: int = 2048  # tokens; the corpus' longest prompt + answer stays well below it
     rope_theta: float = 1e8  # RoPE base: a large one leaves many slow planes, where the induction heads match
     #                          tokens by content at any distance in the context
     steps: int = 1000  # optimizer steps
     batch_tokens: int = 1536  # tokens per step, padding included (examples of similar length share a step)
-    lr: float = 2e-3  # peak learning rate, after `warmup_steps`; cosine decay to lr * min_lr_ratio
+    lr: float = 1e-3  # peak learning rate, after `warmup_steps`; cosine decay to lr * min_lr_ratio
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     weight_decay: float = 0.05  # on matrices only
     first_weight: float = 5.0  # loss weight of each answer's first token (where refuse-or-answer is decided)
+    last_weight: float = 3.0  # ... and of its last, the stop token (where a copy of the answer's start competes)
     # The copy circuit (model/copy_circuit.py; model/train_llama.py's AttentionProbe):
     copy_layer: int = -1  # the layer whose heads copy (negative: from the end)
     copy_heads: int = 3  # its heads that copy (heads x head_dim <= hidden - head_dim)
@@ -94,18 +95,22 @@ class TaskModelSpec:
     #                             copy wherever the current token occurred before, and answers loop)
     probe_weight: float = 1.0  # weight of the attention probe's loss (the copy heads taught where each copied
     #                            answer token sits in the prompt); 0 = off, and no circuit is built
+    abstain_weight: float = 1.0  # the probe also teaches the copy heads to copy nothing (to look at the first
+    #                              token) where the answer's next token is copied from nowhere: the stop token,
+    #                              the JSON's punctuation (else a copy of the answer's start outvotes them)
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
     scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
-    flag: FlagShape | None = FlagShape(back3_head=0)  # the built refusal circuit (model/flag_circuit.py); None: none
-    code_match: float = 3.0  # > 0 (with `flag`): the copy heads match `code_context` tokens on the circuit's token
+    flag: FlagShape | None = FlagShape(back3_head=0, far_heads=(4, 5))  # the built refusal circuit
+    #                                                                     (model/flag_circuit.py); None: none
+    code_match: float = 3.9  # > 0 (with `flag`): the copy heads match `code_context` tokens on the circuit's token
     #                          codes, at this sharpness (copy_circuit.init_code_induction); 0: one, on embeddings
     code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
-    code_context: int = 3  # tokens the code match compares (3 needs flag.back3_head)
+    code_context: int = 5  # tokens the code match compares (3 needs flag.back3_head, 5 flag.far_heads)
     chat_share: float = 0.25  # share of examples rendered through the chat template (the rest as completions)
     start_length: float = 0.1  # curriculum: filler lengths start at this fraction of the corpus' ranges ...
     full_length_at: float = 0.6  # ... and grow linearly to the full ranges by this fraction of the steps
-    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.25), ("rag", 0.3), ("nightly", 0.1),
-                                                   ("refusal", 0.05), ("chat", 0.3))
+    lane_weights: tuple[tuple[str, float], ...] = (("agent", 0.3), ("rag", 0.3), ("nightly", 0.1),
+                                                   ("refusal", 0.05), ("chat", 0.25))
     seed: int = 0
 
     def model_config(self) -> ModelConfig:
@@ -211,11 +216,10 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
 def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimizer, seqs: list[Sequence],
                bf16: bool) -> float:
     """One optimizer step on one batch of sequences; returns the loss."""
-    ids, rows, targets, weights, copies = collate(seqs, spec.first_weight)
+    ids, rows, targets, weights, copies, abstains = collate(seqs, spec.first_weight, spec.last_weight)
     probe = None
     if copies and (spec.probe_weight > 0 or spec.copy_weight > 0):
-        batch, query, key = (torch.tensor(c) for c in copies)
-        probe = AttentionProbe(copy_layer(spec), copy_heads(spec), batch, query, key)
+        probe = copy_probe(spec, copies, abstains if spec.abstain_weight > 0 else ())
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         hidden = model(ids, probe)
         logits = model.logits(hidden.flatten(0, 1)[rows])  # only the answer positions pay for the vocab
@@ -223,13 +227,23 @@ def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimize
     if probe is not None:
         loss = loss + spec.probe_weight * probe.loss
         if spec.copy_weight > 0:
-            copied = model.logits(probe.output.float())
-            loss = loss + spec.copy_weight * F.cross_entropy(copied, ids[probe.batch, probe.query + 1])
+            n = probe.copied
+            copied = model.logits(probe.output[:n].float())
+            loss = loss + spec.copy_weight * F.cross_entropy(copied, ids[probe.batch[:n], probe.query[:n] + 1])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     return loss.item()
+
+
+def copy_probe(spec: TaskModelSpec, copies: tuple, abstains: tuple) -> AttentionProbe:
+    """The copy heads' attention probe: each copied answer token's source, the copies' mean weighing 1, then
+    (with `abstain_weight`) the first token for each answer token copied from nowhere, their mean weighing that."""
+    n, m = len(copies[0]), len(abstains[0]) if abstains else 0
+    share = [1.0 / n] * n + [spec.abstain_weight / max(m, 1)] * m
+    batch, query, key = (torch.tensor(c + a) for c, a in zip(copies, abstains or ((), (), ())))
+    return AttentionProbe(copy_layer(spec), copy_heads(spec), batch, query, key, torch.tensor(share), n)
 
 
 def circuit_scale(spec: TaskModelSpec, model: TrainLlama) -> CircuitScale | None:

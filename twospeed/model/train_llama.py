@@ -69,6 +69,8 @@ class AttentionProbe:
     batch: torch.Tensor  # [N]
     query: torch.Tensor  # [N]
     target: torch.Tensor  # [N]
+    weight: torch.Tensor | None = None  # [N]: each target's share of the loss (None: alike)
+    copied: int | None = None  # the first `copied` targets are copies, the rest look away (None: all copy)
     loss: torch.Tensor | None = None
     output: torch.Tensor | None = None  # [N, hidden]: what these heads alone add to the residual at `query`
 
@@ -83,7 +85,8 @@ def probe_loss(q: torch.Tensor, k: torch.Tensor, probe: AttentionProbe) -> torch
         scores = q[:, head] @ k[:, kv_head].transpose(-1, -2)  # [B, T, T]: one head is cheap to spell out
         scores = scores[probe.batch, probe.query].float() * q.shape[-1] ** -0.5  # [N, T]
         logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
-        total = total - logp.gather(1, probe.target[:, None]).mean()
+        picked = logp.gather(1, probe.target[:, None])[:, 0]
+        total = total - (picked.mean() if probe.weight is None else (picked * probe.weight).sum())
     return total / len(probe.heads)
 
 
