@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,cluster]"
 	@touch $@
 
-# The latency lab on the demo model: serve it with chunked prefill on, then off; replay a short `mixed`
-# workload against each; print the comparison and each run's diagnosis (about two minutes on two cores).
-# (It moves to the trained `demo-task` once that model passes its quality bars: `make test-task`.)
+# The latency lab on the trained built-in model: build `demo-task` on first use (minutes, once), serve it with
+# chunked prefill on, then off; replay a short `tasks` workload against each; print the comparison and each
+# run's diagnosis (under a minute on two cores once the model is built).
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 
@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-# The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about nine minutes on two cores).
+# The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about ten minutes on two cores).
 test-task: $(STAMP)
 	$(PY) -m pytest -m task_model
 
