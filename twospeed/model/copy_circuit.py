@@ -124,9 +124,8 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     share of RoPE's slow planes (`_pair_planes`). So "[P" followed by "2" finds the "2" after the same "[P" in the
     passage being copied, not the first "2" anywhere: a copy that entered a passage stays there; and with five
     tokens the value after "is owned by" is the one in the passage whose noun and subject came before it, not
-    a sibling passage's of the same kind. Each head projects the
-    32-dim codes through its own random orthonormal rows, so the heads' chance matches differ and their copies
-    average them out. The slowest plane keys the sink (the special token that opens the sequence), and the
+    a sibling passage's of the same kind. Each head projects the 32-dim codes through its own random
+    orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane keys the sink (the special token that opens the sequence), and the
     queries' entries there start at zero and learn: the one way a query can copy nothing when its codes match
     (a copied span has ended).
 

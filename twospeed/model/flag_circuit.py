@@ -14,9 +14,8 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
   PREV_CODE, PREV_SINK and PREV_CUE; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE
   and CUR_SEMI; back-2, back-3 and the far heads copy the CODE two to five tokens back into PREV2_CODE ..
   PREV5_CODE (for the copy heads' five-token match, copy_circuit.init_code_induction). Later layers read these
-  copies,
-  which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which a
-  growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
+  copies, which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which
+  a growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
   it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Each
   position's score is its match less a threshold, a share of an exact match's set above the chance matches

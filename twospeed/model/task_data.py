@@ -125,10 +125,12 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
 
 def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float = 1.0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple, tuple]:
-    """input ids [B, T] (right-padded), and for every answer token: its flat row in [B*T], target and weight.
+    """input ids [B, T] (right-padded); for every answer token its flat row in [B*T], target and weight (the
+    first and last, the stop token, weighed apart); and the copy heads' probe targets as (row, query, key)
+    columns: each copied token's source, then the first token for each token copied from nowhere.
 
-    Every answer token weighs the same. (Weighing every answer the same instead starves the first token of a
-    long note, which is where the refuse-or-answer decision is made.)"""
+    Otherwise every answer token weighs the same. (Weighing every answer the same instead starves the first
+    token of a long note, which is where the refuse-or-answer decision is made.)"""
     t = -(-max(len(s.ids) for s in step) // 32) * 32  # few distinct shapes: oneDNN and the allocator reuse them
     ids = torch.full((len(step), t), PAD_ID, dtype=torch.long)
     rows, targets, weights = [], [], []
