@@ -125,9 +125,10 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     passage being copied, not the first "2" anywhere: a copy that entered a passage stays there; and with five
     tokens the value after "is owned by" is the one in the passage whose noun and subject came before it, not
     a sibling passage's of the same kind. Each head projects the 32-dim codes through its own random
-    orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane keys the sink (the special token that opens the sequence), and the
-    queries' entries there start at zero and learn: the one way a query can copy nothing when its codes match
-    (a copied span has ended).
+    orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane
+    keys the sink (the special token that opens the sequence), and the queries' entries there start at zero and
+    learn (taught by the probe's abstain targets, model/task_model.py): the one way a query can copy nothing
+    when its codes match (a copied span has ended, or the answer's next token is no copy at all).
 
     With `code_gain` each head also copies the attended token's code (CUR_CODE) into the CODE coordinates, in
     the last `CODE_DIM` of its value dimensions: the tied embeddings hold every token's code there, so this
