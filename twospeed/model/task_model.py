@@ -219,7 +219,7 @@ def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimize
     ids, rows, targets, weights, copies, abstains = collate(seqs, spec.first_weight, spec.last_weight)
     probe = None
     if copies and (spec.probe_weight > 0 or spec.copy_weight > 0):
-        probe = copy_probe(spec, copies, abstains if spec.abstain_weight > 0 else ())
+        probe = copy_probe(spec, copies, abstains)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         hidden = model(ids, probe)
         logits = model.logits(hidden.flatten(0, 1)[rows])  # only the answer positions pay for the vocab
@@ -240,9 +240,11 @@ def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimize
 def copy_probe(spec: TaskModelSpec, copies: tuple, abstains: tuple) -> AttentionProbe:
     """The copy heads' attention probe: each copied answer token's source, the copies' mean weighing 1, then
     (with `abstain_weight`) the first token for each answer token copied from nowhere, their mean weighing that."""
-    n, m = len(copies[0]), len(abstains[0]) if abstains else 0
+    if not (abstains and spec.abstain_weight > 0):
+        abstains = ((), (), ())
+    n, m = len(copies[0]), len(abstains[0])
     share = [1.0 / n] * n + [spec.abstain_weight / max(m, 1)] * m
-    batch, query, key = (torch.tensor(c + a) for c, a in zip(copies, abstains or ((), (), ())))
+    batch, query, key = (torch.tensor(c + a) for c, a in zip(copies, abstains))
     return AttentionProbe(copy_layer(spec), copy_heads(spec), batch, query, key, torch.tensor(share), n)
 
 
