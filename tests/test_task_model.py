@@ -361,6 +361,40 @@ def test_probe_loss_weighs_each_target_by_its_share():
     torch.testing.assert_close(probe_loss(q, k, alike), probe_loss(q, k, even))
 
 
+@pytest.mark.parametrize("name", ["demo-task", "tiny"])
+def test_last_layer_at_the_loss_rows_is_the_full_model_there(name):
+    """forward(ids, probe, rows) runs the last layer at `rows` only: its hidden states, probe loss, probe output
+    and every gradient equal the full forward's read at those rows (the reference), for demo-task's shape and a
+    tiny one with grouped kv heads; a probed query outside the rows is refused."""
+    spec = task_model.TASK_SPECS["demo-task"] if name == "demo-task" else TINY
+    tokenizer = task_model.build_task_tokenizer()
+    step = next(task_data.batches(spec, tokenizer))
+    ids, rows, targets, weights, copies, abstains = task_data.collate(step, spec.first_weight, spec.last_weight)
+    assert len(rows) < ids.numel() / 2 and len(step) > 1
+    model, _ = task_model.new_model(spec, tokenizer)
+    results = []
+    for trimmed in (False, True):
+        probe = task_model.copy_probe(spec, copies, abstains)
+        model.zero_grad()
+        hidden = model(ids, probe, rows) if trimmed else model(ids, probe).flatten(0, 1)[rows]
+        loss = (torch.nn.functional.cross_entropy(model.logits(hidden), targets, reduction="none") * weights).sum()
+        (loss + probe.loss + probe.output.square().mean()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((hidden.detach(), probe.loss.detach(), probe.output.detach(), grads))
+    (full, full_probe, full_out, full_grads), (ours, our_probe, our_out, our_grads) = results
+    torch.testing.assert_close(ours, full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(our_probe, full_probe, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(our_out, full_out, atol=1e-4, rtol=1e-4)
+    total = torch.cat([g.flatten() for g in full_grads.values()]).norm()
+    for name, grad in full_grads.items():  # each within 0.1% of its norm, or of 1e-5 of the whole gradient's
+        #                                    (layer 0's built q and k get ~1e-6 of it: rounding noise)
+        assert (our_grads[name] - grad).norm() <= 1e-3 * grad.norm() + 1e-5 * total, name
+    stray = task_model.AttentionProbe(copy_circuit.copy_layer(spec), (0,), torch.tensor([0]), torch.tensor([0]),
+                                      torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows"):
+        model(ids, stray, rows)
+
+
 def test_every_answer_token_is_copied_or_abstains():
     """collate splits the answer tokens: each copied one probes its source, each other one the sequence's first
     token (a special token, where the copy heads copy nothing); copy_probe weighs the two groups' means as
@@ -384,10 +418,15 @@ def test_every_answer_token_is_copied_or_abstains():
 
 @pytest.mark.task_model  # trains a tiny spec
 def test_frozen_circuit_stays_as_built():
-    """With freeze_circuit the built heads leave training as they went in; the weights around them learn."""
+    """With freeze_circuit the built heads leave training as they went in; the weights around them learn.
+    Denormal floats flush to zero while it trains, and the setting is restored after."""
     model, _ = task_model.new_model(TINY)
     before = {k: v.clone() for k, v in model.hf_state_dict().items()}
-    after = task_model.train(TINY, task_model.build_task_tokenizer(), bf16=False)
+    denormal = lambda: float(torch.tensor([1e-20]) * torch.tensor([1e-20]))  # noqa: E731  1e-40: below float32's normals
+    during = []
+    after = task_model.train(TINY, task_model.build_task_tokenizer(), lambda step, loss: during.append(denormal()),
+                             bf16=False)
+    assert set(during) == {0.0} and denormal() > 0  # flushed while training (a speed-up), and only then
     names = {id(p): n for n, p in model.named_parameters()}
     for weight, index in copy_circuit.circuit_slices(TINY, model):
         name = names[id(weight)]
@@ -649,3 +688,25 @@ def test_circuit_scale_follows_the_residual():
     torch.testing.assert_close(o[:, :8], base[:, :8] * (now / first))
     torch.testing.assert_close(o[0, 9], base[0, 9] * now)
     torch.testing.assert_close(o[:, 8], base[:, 8])  # nothing else moves
+
+
+def test_circuit_scale_sees_every_layer_in_a_train_step():
+    """train_step runs the last layer at the loss rows only; the scale's hooks still measure every layer's input
+    over all positions and the final norm's at the loss rows (where the logits read it), so `apply` moves the
+    held weights. The reference: the RMS recomputed here from the same inputs."""
+    import dataclasses
+
+    spec = dataclasses.replace(TINY, scale_circuit=True)
+    tokenizer = task_model.build_task_tokenizer()
+    model, opt = task_model.new_model(spec, tokenizer)
+    scale = task_model.circuit_scale(spec, model)
+    seen = {}
+    for i, module in enumerate([*model.model.layers, model.model.norm]):
+        module.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0].detach()))
+    step = next(task_data.batches(spec, tokenizer))
+    task_model.train_step(spec, model, opt, step, bf16=False)
+    ids, rows, *_ = task_data.collate(step)
+    assert len(scale.first) == len(scale.rms) == len(model.model.layers) + 1
+    for i, x in seen.items():
+        assert x.shape[:-1] == (ids.shape if i < len(model.model.layers) else rows.shape)
+        assert scale.rms[i] == pytest.approx(float(x[..., :scale.free].pow(2).mean().sqrt()), rel=1e-5)

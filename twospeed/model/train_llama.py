@@ -90,6 +90,47 @@ def probe_loss(q: torch.Tensor, k: torch.Tensor, probe: AttentionProbe) -> torch
     return total / len(probe.heads)
 
 
+def probe_rows(probe: AttentionProbe, rows: torch.Tensor, t: int) -> torch.Tensor:
+    """Where each of the probe's queries sits among `rows` (flat, ascending indices into [B*T])."""
+    flat = probe.batch * t + probe.query
+    at = torch.searchsorted(rows, flat).clamp_(max=len(rows) - 1)
+    if not torch.equal(rows[at], flat):
+        raise ValueError("every probed query must be one of the rows computed")
+    return at
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: torch.Tensor, pos: torch.Tensor,
+                   probe: AttentionProbe | None = None) -> torch.Tensor:
+    """Causal attention for some queries only: q [N, H, hd] at (batch, pos), ascending; k, v [B, KVH, T, hd]
+    -> [N, H, hd]. With `probe`, fills in `probe.loss` (as probe_loss) from the same scores.
+
+    The queries are padded per sequence to [B, H, Nmax, hd] for one batched product; a pad slot sees key 0 only."""
+    b, heads, t = k.shape[0], q.shape[1], k.shape[2]
+    if heads != k.shape[1]:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    counts = torch.bincount(batch, minlength=b)
+    local = torch.arange(len(batch), device=q.device) - (counts.cumsum(0) - counts)[batch]  # slot in its sequence
+    n = int(counts.max())
+    padded = q.new_zeros(b, n, heads, q.shape[-1])
+    padded[batch, local] = q
+    at = torch.zeros(b, n, dtype=torch.long, device=q.device)
+    at[batch, local] = pos
+    scores = (padded.transpose(1, 2) @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # [B, H, Nmax, T]
+    future = torch.arange(t, device=q.device)[None, None, :] > at[:, :, None]  # [B, Nmax, T]
+    logp = scores.masked_fill(future[:, None], float("-inf")).log_softmax(-1)
+    if probe is not None:
+        rows = batch * t + pos
+        slot = local[probe_rows(probe, rows, t)]
+        total = 0.0
+        for head in probe.heads:
+            picked = logp[probe.batch, head, slot, probe.target]
+            total = total - (picked.mean() if probe.weight is None else (picked * probe.weight).sum())
+        probe.loss = total / len(probe.heads)
+    o = logp.exp().to(v.dtype) @ v  # [B, H, Nmax, hd]
+    return o.transpose(1, 2)[batch, local]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,6 +159,22 @@ class Attention(nn.Module):
                                for h in probe.heads)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, rows: torch.Tensor,
+                     probe: AttentionProbe | None = None) -> torch.Tensor:
+        """The attention output at `rows` only (flat, ascending indices into [B*T]) -> [N, hidden]: keys and
+        values at every position, queries only where asked."""
+        b, t, _ = x.shape
+        kv = F.linear(x, torch.cat((self.k_proj.weight, self.v_proj.weight))).view(b, t, 2 * self.kv_heads, -1)
+        k = apply_rope(kv[:, :, :self.kv_heads], cos, sin_signed).transpose(1, 2)  # [B, KVH, T, hd]
+        v = kv[:, :, self.kv_heads:].transpose(1, 2)
+        pos = rows % t
+        q = F.linear(x.flatten(0, 1)[rows], self.q_proj.weight).view(len(rows), self.heads, self.head_dim)
+        o = rows_attention(apply_rope(q, cos[pos], sin_signed[pos]), k, v, rows // t, pos, probe)  # [N, H, hd]
+        if probe is not None:
+            hd, at = self.head_dim, probe_rows(probe, rows, t)
+            probe.output = sum(o[at, h] @ self.o_proj.weight[:, h * hd:(h + 1) * hd].T for h in probe.heads)
+        return self.o_proj(o.flatten(1))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -140,8 +197,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                probe: AttentionProbe | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, probe)
+                probe: AttentionProbe | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; with `rows` (flat, ascending indices into [B*T]) the output there
+        only, [N, hidden] (keys and values still come from every position)."""
+        if rows is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, probe)
+        else:
+            x = x.flatten(0, 1)[rows] + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin_signed, rows,
+                                                                    probe)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,16 +243,24 @@ class TrainLlama(nn.Module):
         sin = emb.sin()
         return emb.cos()[:, None], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None]
 
-    def forward(self, input_ids: torch.Tensor, probe: AttentionProbe | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> hidden states [B, T, hidden] after the final norm (and `probe.loss`, if given)."""
+    def forward(self, input_ids: torch.Tensor, probe: AttentionProbe | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> hidden states [B, T, hidden] after the final norm (and `probe.loss`, if given).
+
+        With `rows` (flat, ascending indices into [B*T]): the hidden states there only, [N, hidden]. The last
+        layer then runs its queries, attention and MLP at those positions alone (every position still gives it
+        keys and values): the loss reads only the answers (a fifth of the positions), so this saves most of the
+        last layer's work for the same loss and gradients."""
         cos, sin_signed = self.rope(input_ids.shape[1])
         device = input_ids.device.type
         # RoPE in the matmuls' dtype, as HF applies it in bf16
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.model.norm.weight.dtype
         cos, sin_signed = cos.to(dtype), sin_signed.to(dtype)
         x = self.model.embed_tokens(input_ids)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin_signed, probe if probe is not None and probe.layer == i else None)
+            x = layer(x, cos, sin_signed, probe if probe is not None and probe.layer == i else None,
+                      rows=rows if i == last else None)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
