@@ -131,7 +131,9 @@ class TaskModelSpec:
 
 
 TASK_SPECS: dict[str, TaskModelSpec] = {
-    "demo-task": TaskModelSpec(),
+    # Seed 3: seeds 0-3 were built, and 3 alone held every bar on the bench's held-out prompts, then on two more
+    # held-out sets. The recipe holds them on about a third of its builds (BENCHMARKS.md, issue 14).
+    "demo-task": TaskModelSpec(seed=3),
 }
 assert set(TASK_SPECS) == set(TASK_NAMES), "model/builtin.py names every task model"
 
