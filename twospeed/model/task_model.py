@@ -273,7 +273,7 @@ def train(spec: TaskModelSpec, tokenizer, on_step: Callable[[int, float], None] 
     kept = [(w, idx, w.detach()[idx].clone()) for w, idx in held]
     scale = circuit_scale(spec, model)
     # The built heads' sharp softmaxes leave probabilities and gradients below float32's normal range, which
-    # x86 multiplies many times slower (a quarter of a step went to them); flushed to zero, they cost nothing.
+    # x86 multiplies many times slower (a fifth of a float32 step went to them); flushed to zero, they cost nothing.
     flush = torch.set_flush_denormal(True)
     try:
         _train_loop(spec, tokenizer, model, opt, kept, scale, on_step, bf16)
