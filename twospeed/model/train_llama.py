@@ -12,6 +12,7 @@ Under bf16 autocast on CPU the matmuls and attention run in bf16 (AMX/AVX-512 BF
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,14 +80,23 @@ def probe_loss(q: torch.Tensor, k: torch.Tensor, probe: AttentionProbe) -> torch
     """-log softmax(q k^T / sqrt(hd)) at the probe's targets, averaged over its heads; q [B, H, T, hd],
     k [B, KVH, T, hd]."""
     causal = torch.arange(k.shape[2], device=q.device)[None, :] > probe.query[:, None]
-    total = 0.0
-    for head in probe.heads:
+
+    def picked(head: int) -> torch.Tensor:
         kv_head = head // (q.shape[1] // k.shape[1])
         scores = q[:, head] @ k[:, kv_head].transpose(-1, -2)  # [B, T, T]: one head is cheap to spell out
         scores = scores[probe.batch, probe.query].float() * q.shape[-1] ** -0.5  # [N, T]
         logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
-        picked = logp.gather(1, probe.target[:, None])[:, 0]
-        total = total - (picked.mean() if probe.weight is None else (picked * probe.weight).sum())
+        return logp.gather(1, probe.target[:, None])[:, 0]
+    return probe_nll(probe, picked)
+
+
+def probe_nll(probe: AttentionProbe, picked: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The probe's loss from `picked(head)`, each target's log attention in that head: -(mean, or the shares'
+    weighted sum), averaged over the heads."""
+    total = 0.0
+    for head in probe.heads:
+        logp = picked(head)
+        total = total - (logp.mean() if probe.weight is None else (logp * probe.weight).sum())
     return total / len(probe.heads)
 
 
@@ -100,9 +110,10 @@ def probe_rows(probe: AttentionProbe, rows: torch.Tensor, t: int) -> torch.Tenso
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: torch.Tensor, pos: torch.Tensor,
-                   probe: AttentionProbe | None = None) -> torch.Tensor:
+                   probe: AttentionProbe | None = None, probed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for some queries only: q [N, H, hd] at (batch, pos), ascending; k, v [B, KVH, T, hd]
-    -> [N, H, hd]. With `probe`, fills in `probe.loss` (as probe_loss) from the same scores.
+    -> [N, H, hd]. With `probe` and `probed` (where its queries sit among the N: probe_rows), fills in
+    `probe.loss` (as probe_loss) from the same scores.
 
     The queries are padded per sequence to [B, H, Nmax, hd] for one batched product; a pad slot sees key 0 only."""
     b, heads, t = k.shape[0], q.shape[1], k.shape[2]
@@ -120,13 +131,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: tor
     future = torch.arange(t, device=q.device)[None, None, :] > at[:, :, None]  # [B, Nmax, T]
     logp = scores.masked_fill(future[:, None], float("-inf")).log_softmax(-1)
     if probe is not None:
-        rows = batch * t + pos
-        slot = local[probe_rows(probe, rows, t)]
-        total = 0.0
-        for head in probe.heads:
-            picked = logp[probe.batch, head, slot, probe.target]
-            total = total - (picked.mean() if probe.weight is None else (picked * probe.weight).sum())
-        probe.loss = total / len(probe.heads)
+        slot = local[probed]
+        probe.loss = probe_nll(probe, lambda head: logp[probe.batch, head, slot, probe.target])
     o = logp.exp().to(v.dtype) @ v  # [B, H, Nmax, hd]
     return o.transpose(1, 2)[batch, local]
 
@@ -169,9 +175,10 @@ class Attention(nn.Module):
         v = kv[:, :, self.kv_heads:].transpose(1, 2)
         pos = rows % t
         q = F.linear(x.flatten(0, 1)[rows], self.q_proj.weight).view(len(rows), self.heads, self.head_dim)
-        o = rows_attention(apply_rope(q, cos[pos], sin_signed[pos]), k, v, rows // t, pos, probe)  # [N, H, hd]
+        at = probe_rows(probe, rows, t) if probe is not None else None
+        o = rows_attention(apply_rope(q, cos[pos], sin_signed[pos]), k, v, rows // t, pos, probe, at)  # [N, H, hd]
         if probe is not None:
-            hd, at = self.head_dim, probe_rows(probe, rows, t)
+            hd = self.head_dim
             probe.output = sum(o[at, h] @ self.o_proj.weight[:, h * hd:(h + 1) * hd].T for h in probe.heads)
         return self.o_proj(o.flatten(1))
 
