@@ -395,6 +395,37 @@ def test_last_layer_at_the_loss_rows_is_the_full_model_there(name):
         model(ids, stray, rows)
 
 
+def test_answer_rows_are_padded_to_few_shapes():
+    """collate pads the answer rows to a multiple of `rows_multiple` (bf16 training: a product's kernel is built
+    per shape) with copies of the last row that weigh 0: the rows before them are every answer token's, in
+    order (the reference: each answer's positions recomputed here), and the loss they weigh still sums to 1.
+    With 1 (float32 training) nothing is padded."""
+    spec = task_model.TASK_SPECS["demo-task"]
+    stream = task_data.batches(spec, task_model.build_task_tokenizer())
+    for _ in range(5):
+        step = next(stream)
+        ids, rows, targets, weights, *_ = task_data.collate(step, spec.first_weight, spec.last_weight,
+                                                            task_data.ROWS_MULTIPLE)
+        t = ids.shape[1]
+        real = [i * t + p - 1 for i, s in enumerate(step) for start, end in s.answers for p in range(start, end)]
+        n = len(real)
+        assert len(rows) % task_data.ROWS_MULTIPLE == 0 and 0 <= len(rows) - n < task_data.ROWS_MULTIPLE
+        assert rows[:n].tolist() == real and (rows[n:] == rows[n - 1]).all()
+        assert targets[:n].tolist() == [ids.flatten()[r + 1].item() for r in real]
+        assert (weights[n:] == 0).all() and (weights[:n] > 0).all()
+        torch.testing.assert_close(weights.sum(), torch.tensor(1.0))
+        assert len(task_data.collate(step, spec.first_weight, spec.last_weight)[1]) == n
+    model, _ = task_model.new_model(spec)
+    grads = []
+    for multiple in (1, task_data.ROWS_MULTIPLE):  # the copies change neither the loss nor its gradient
+        ids, rows, targets, weights, *_ = task_data.collate(step, spec.first_weight, spec.last_weight, multiple)
+        model.zero_grad()
+        logits = model.logits(model(ids, None, rows))
+        (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-7, rtol=1e-4)
+
+
 def test_every_answer_token_is_copied_or_abstains():
     """collate splits the answer tokens: each copied one probes its source, each other one the sequence's first
     token (a special token, where the copy heads copy nothing); copy_probe weighs the two groups' means as

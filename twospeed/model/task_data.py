@@ -123,7 +123,7 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
         yield from steps
 
 
-def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float = 1.0
+def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float = 1.0, rows_multiple: int = 1
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple, tuple]:
     """input ids [B, T] (right-padded); for every answer token its flat row in [B*T], target and weight (the
     first and last, the stop token, weighed apart); and the copy heads' probe targets as (row, query, key)
@@ -143,10 +143,29 @@ def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float 
             w[-1] = last_weight
             w[0] = first_weight
             weights.append(w)
-    targets, weights = torch.cat(targets), torch.cat(weights)
+    rows, targets, weights = _padded(torch.cat(rows), torch.cat(targets), torch.cat(weights), rows_multiple)
     copies = [(i, q - 1, j) for i, s in enumerate(step) for q, j in s.sources.items()]  # (row, query, key)
     # the answer tokens copied from nowhere (format, prose, the stop token): there the copy heads should look at
     # the sequence's first token, a special one, and copy nothing
     abstains = [(i, q - 1, 0) for i, s in enumerate(step) for start, end in s.answers
                 for q in range(start, end) if q not in s.sources]
-    return ids, torch.cat(rows), targets, weights / weights.sum(), tuple(zip(*copies)), tuple(zip(*abstains))
+    return ids, rows, targets, weights / weights.sum(), tuple(zip(*copies)), tuple(zip(*abstains))
+
+
+ROWS_MULTIPLE = 64  # what bf16 training pads the answer rows to a multiple of (task_model.train_step)
+
+
+def _padded(rows: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, multiple: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The answer rows padded with copies of the last one, weighing 0, to a multiple of `multiple`.
+
+    Why: the last layer and the vocabulary run at these rows only, and their count differs from step to step.
+    oneDNN builds a bf16 product's kernel for each new shape (with AMX, 20-130 ms for the first
+    [349 x 5120] x [5120 x 492], 1.5-2 ms after): unpadded, a bf16 build spent ~30% of its time building
+    kernels (367 s against 259 s padded). float32's products build none (6 ms from the first call), so float32
+    training passes 1 and its weights stay as they were. Repeating the last row keeps the rows ascending; the
+    copies add nothing to the loss or its gradient (the final norm's measured scale sees them: a few percent
+    of its rows)."""
+    pad = -len(rows) % multiple
+    return (torch.cat([rows, rows[-1:].expand(pad)]), torch.cat([targets, targets[-1:].expand(pad)]),
+            torch.cat([weights, weights.new_zeros(pad)]))

@@ -50,12 +50,13 @@ from twospeed.model.circuit_scale import CircuitScale, level_embeddings
 from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
                                          reserved)
 from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
-from twospeed.model.task_data import BOS_ID, EOS_ID, IM_END_ID, PAD_ID, Sequence, batches, collate  # noqa: F401
+from twospeed.model.task_data import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, ROWS_MULTIPLE, Sequence,  # noqa: F401
+                                      batches, collate)
 from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v13"
+TASK_VERSION = "task-v14"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
@@ -219,7 +220,8 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
 def train_step(spec: TaskModelSpec, model: TrainLlama, opt: torch.optim.Optimizer, seqs: list[Sequence],
                bf16: bool) -> float:
     """One optimizer step on one batch of sequences; returns the loss."""
-    ids, rows, targets, weights, copies, abstains = collate(seqs, spec.first_weight, spec.last_weight)
+    ids, rows, targets, weights, copies, abstains = collate(seqs, spec.first_weight, spec.last_weight,
+                                                            ROWS_MULTIPLE if bf16 else 1)
     probe = None
     if copies and (spec.probe_weight > 0 or spec.copy_weight > 0):
         probe = copy_probe(spec, copies, abstains)
