@@ -138,7 +138,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# The bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v13 copies from the
+# The bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v14 copies from the
 # prompt with built induction heads on a five-token code match (taught to copy nothing where the answer's next
 # token comes from nowhere) and refuses by a built flag circuit (model/flag_circuit.py).
 @pytest.fixture(scope="module")
