@@ -126,8 +126,9 @@ def batches(spec: TaskModelSpec, tokenizer, pool: int = 128) -> Iterator[list[Se
 def collate(step: list[Sequence], first_weight: float = 1.0, last_weight: float = 1.0, rows_multiple: int = 1
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple, tuple]:
     """input ids [B, T] (right-padded); for every answer token its flat row in [B*T], target and weight (the
-    first and last, the stop token, weighed apart); and the copy heads' probe targets as (row, query, key)
-    columns: each copied token's source, then the first token for each token copied from nowhere.
+    first and last, the stop token, weighed apart), the rows padded to a multiple of `rows_multiple`; and the
+    copy heads' probe targets as (row, query, key) columns: each copied token's source, then the first token for
+    each token copied from nowhere.
 
     Otherwise every answer token weighs the same. (Weighing every answer the same instead starves the first
     token of a long note, which is where the refuse-or-answer decision is made.)"""
@@ -164,8 +165,8 @@ def _padded(rows: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, mu
     [349 x 5120] x [5120 x 492], 1.5-2 ms after): unpadded, a bf16 build spent ~30% of its time building
     kernels (367 s against 259 s padded). float32's products build none (6 ms from the first call), so float32
     training passes 1 and its weights stay as they were. Repeating the last row keeps the rows ascending; the
-    copies add nothing to the loss or its gradient (the final norm's measured scale sees them: a few percent
-    of its rows)."""
+    copies add nothing to the loss or its gradient (the final norm's measured scale sees them: at most 63 of a
+    step's several hundred rows)."""
     pad = -len(rows) % multiple
     return (torch.cat([rows, rows[-1:].expand(pad)]), torch.cat([targets, targets[-1:].expand(pad)]),
             torch.cat([weights, weights.new_zeros(pad)]))
