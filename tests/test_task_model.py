@@ -138,7 +138,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v14 copies from the
+# The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v15 copies from the
 # prompt with built induction heads on a five-token code match (taught to copy nothing where the answer's next
 # token comes from nowhere) and refuses by a built flag circuit (model/flag_circuit.py).
 @pytest.fixture(scope="module")
@@ -150,8 +150,8 @@ def unconstrained(task_llm) -> tuple[dict, dict]:
 
 
 def test_lanes_pass_their_gates_unconstrained(unconstrained):
-    """The bars hold for demo-task's build (seed 3, float32, on the machine measured), not reliably for the
-    recipe: about a third of its builds hold them, the rest miss json or citation by 2.5-40 points (issue 14;
+    """The bars hold for demo-task's build (seed 0, bf16, on the machine measured), not reliably for the
+    recipe: about half of its builds hold them, the rest miss refusal or nightly codes (issue 14;
     BENCHMARKS.md). So a CPU whose kernels round differently can fail here. Where this CPU trains under bf16
     autocast a miss is reported as an expected failure, with its numbers, and never hidden."""
     rates, report = unconstrained
@@ -446,6 +446,28 @@ def test_every_answer_token_is_copied_or_abstains():
     torch.testing.assert_close(probe.weight[:n].sum(), torch.tensor(1.0))
     torch.testing.assert_close(probe.weight[n:].sum(), torch.tensor(spec.abstain_weight))
 
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_agent_ids_are_copied_whole_from_the_request(chat):
+    """The call's id is a copy of the request's id, prefix included: the evidence writes it after '#', so its
+    tokens are the ones the JSON string holds ('ORD', not ' ORD'), and copy_sources points every one of them
+    at the request's id, never at the distractor's (task-v14 wrote the prefix from the picked tool). A session's
+    first call only: in a later one the prefix may continue a copy of an earlier call with the same prefix."""
+    tokenizer = task_model.build_task_tokenizer()
+    rng = random.Random("test-agent-ids")
+    for _ in range(30):
+        s = task_corpus.session("agent", rng, rounds=1)
+        seq = task_data.render(s, tokenizer, chat)
+        for ex, (start, end) in zip(s.examples, seq.answers):
+            ident = ex.meta["expected"]["arguments"]["id"]
+            id_ids = tokenizer.encode(ident, add_special_tokens=False).ids
+            answer = seq.ids[start:end]
+            at = next(i for i in range(len(answer)) if answer[i:i + len(id_ids)] == id_ids)
+            sources = [seq.sources.get(start + at + k) for k in range(len(id_ids))]
+            assert None not in sources, (ident, sources)
+            copied = tokenizer.decode(seq.ids[sources[0] - 1:sources[-1] + 1])
+            assert copied.lstrip() == "#" + ident  # the request's id (the distractor's digits differ)
+            assert sources == list(range(sources[0], sources[0] + len(id_ids)))  # one span
 
 @pytest.mark.task_model  # trains a tiny spec
 def test_frozen_circuit_stays_as_built():

@@ -9,8 +9,8 @@ Every example is `prompt` (the text the lab sends to /v1/completions, or as the 
 /v1/chat/completions) + `answer` (the completion) + `meta` (what the gates need, and the truth):
 
 agent    SYSTEM block + POLICY filler + TOOLS (JSON schemas), then TURN n EVIDENCE naming a customer's
-         request and an id  ->  {"tool": T, "arguments": {"id": ID, "note": NOTE}}: T follows from the
-         request's intent, ID and NOTE are copied from the evidence (a second, closed id is a distractor)
+         request and an id (`#ORD-793148`)  ->  {"tool": T, "arguments": {"id": ID}}: T follows from the
+         request's intent, ID is copied from the evidence (a second, closed id is a distractor)
 rag      RETRIEVED PASSAGES, each a fact cited with its id (`... [P313].`) and filler, + a QUESTION about one
          subject  ->  two sentences that state the fact and cite the one passage that holds it (the other
          passages are about other subjects)
@@ -80,24 +80,29 @@ _TOOL_DOCS = {
     "update_address": "change the delivery address of an order", "escalate_ticket": "hand a ticket to a manager",
     "search_knowledge_base": "find a help article for a ticket", "schedule_callback": "book a phone call back",
     "cancel_subscription": "end a subscription", "check_inventory": "check whether an item is in stock"}
-# tool -> (id prefix, id digits, [(request template, note template)]): {c} customer, {id}, {x} a slot value
-_INTENTS: dict[str, tuple[str, int, list[tuple[str, str]]]] = {
-    "lookup_order": ("ORD-", 6, [("{c} asks where order {id} is; it was due {x} days ago", "due {x} days ago"),
-                                 ("{c} wants to know the status of order {id} placed in {city}", "placed in {city}")]),
-    "issue_refund": ("ORD-", 6, [("{c} was charged twice for order {id} and wants the money back", "charged twice"),
-                                 ("{c} says order {id} arrived broken and asks for a refund of ${x}", "refund ${x}")]),
-    "update_address": ("ORD-", 6, [("{c} moved and needs order {id} sent to {x} {street}", "new address {x} {street}"),
-                                   ("{c} asks to ship order {id} to {city} instead", "ship to {city}")]),
-    "escalate_ticket": ("T-", 5, [("ticket {id} has been open for {x} days and {c} demands a manager", "open {x} days"),
-                                  ("{c} is angry that ticket {id} was closed without a fix", "closed without a fix")]),
-    "search_knowledge_base": ("T-", 5, [("{c} asks in ticket {id} how to reset a {thing}", "how to reset a {thing}"),
-                                        ("{c} wants a guide for ticket {id} about {thing} setup", "{thing} setup guide")]),
-    "schedule_callback": ("ACC-", 5, [("{c} wants a phone call about account {id} at {x}:00", "call at {x}:00"),
-                                      ("{c} asks to be called back about account {id} on {day}", "call back on {day}")]),
-    "cancel_subscription": ("SUB-", 5, [("{c} wants to cancel subscription {id} before it renews", "cancel before renewal"),
-                                        ("{c} asks to end subscription {id} because of {reason}", "ends: {reason}")]),
-    "check_inventory": ("SKU-", 5, [("{c} asks whether item {id} is in stock in {city}", "stock in {city}"),
-                                    ("{c} needs {x} units of item {id} by friday", "needs {x} units")]),
+# tool -> (id prefix, id digits, request templates): {c} customer, {id}, {x} a slot value. The call's one argument
+# is the id, copied from the evidence, where it is written "#ORD-793148" so that its tokens are the ones the JSON
+# string holds ('ORD', not ' ORD'): the copy heads (model/copy_circuit.py) copy the prefix with the digits, so
+# the id is the request's whichever tool is picked. A templated note per request used to follow it; which of a
+# tool's notes applied was a second content decision, and builds that missed it wrote a frequent note and looped
+# (task-v14: agent json 27.5-90% across seeds).
+_INTENTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "lookup_order": ("ORD-", 6, ("{c} asks where order {id} is; it was due {x} days ago",
+                                 "{c} wants to know the status of order {id} placed in {city}")),
+    "issue_refund": ("ORD-", 6, ("{c} was charged twice for order {id} and wants the money back",
+                                 "{c} says order {id} arrived broken and asks for a refund of ${x}")),
+    "update_address": ("ORD-", 6, ("{c} moved and needs order {id} sent to {x} {street}",
+                                   "{c} asks to ship order {id} to {city} instead")),
+    "escalate_ticket": ("T-", 5, ("ticket {id} has been open for {x} days and {c} demands a manager",
+                                  "{c} is angry that ticket {id} was closed without a fix")),
+    "search_knowledge_base": ("T-", 5, ("{c} asks in ticket {id} how to reset a {thing}",
+                                        "{c} wants a guide for ticket {id} about {thing} setup")),
+    "schedule_callback": ("ACC-", 5, ("{c} wants a phone call about account {id} at {x}:00",
+                                      "{c} asks to be called back about account {id} on {day}")),
+    "cancel_subscription": ("SUB-", 5, ("{c} wants to cancel subscription {id} before it renews",
+                                        "{c} asks to end subscription {id} because of {reason}")),
+    "check_inventory": ("SKU-", 5, ("{c} asks whether item {id} is in stock in {city}",
+                                    "{c} needs {x} units of item {id} by friday")),
 }
 _THINGS = ("router", "password", "printer", "badge", "tablet", "modem", "login", "scanner")
 _DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday")
@@ -136,17 +141,17 @@ def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> Tas
     """A turn whose request is for one of the tools the prefix lists."""
     listed = _listed_tools(prefix)
     tool = rng.choice(listed)
-    id_prefix, digits, templates = _INTENTS[tool]
-    request, note = rng.choice(templates)
+    id_prefix, digits, requests = _INTENTS[tool]
+    request = rng.choice(requests)
     ident, slots = _new_id(rng, id_prefix, digits), _slots(rng)
-    sentence = request.format(c=_person(rng), id=ident, **slots)
+    sentence = request.format(c=_person(rng), id="#" + ident, **slots)
     parts = [sentence + "."]
     if rng.random() < 0.5:
         other = rng.choice(list(_INTENTS.values()))
-        parts.insert(rng.randint(0, 1), rng.choice(_DISTRACTORS).format(id=_new_id(rng, other[0], other[1])) + ".")
+        parts.insert(rng.randint(0, 1), rng.choice(_DISTRACTORS).format(id="#" + _new_id(rng, other[0], other[1])) + ".")
     before = rng.randint(0, new_words)
     evidence = " ".join(filter(None, [_filler(rng, before), *parts, _filler(rng, new_words - before)]))
-    call = {"tool": tool, "arguments": {"id": ident, "note": note.format(**slots)}}
+    call = {"tool": tool, "arguments": {"id": ident}}
     return TaskExample("agent", f"{prefix}TURN {turn} EVIDENCE: {evidence}\n{_AGENT_ASK}", json.dumps(call),
                        {"tools": listed, "expected": call})
 

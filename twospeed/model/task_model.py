@@ -56,7 +56,7 @@ from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v14"
+TASK_VERSION = "task-v15"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
@@ -132,9 +132,10 @@ class TaskModelSpec:
 
 
 TASK_SPECS: dict[str, TaskModelSpec] = {
-    # Seed 3: seeds 0-3 were built, and 3 alone held every bar on the bench's held-out prompts, then on two more
-    # held-out sets. The recipe holds them on about a third of its builds (BENCHMARKS.md, issue 14).
-    "demo-task": TaskModelSpec(seed=3),
+    # Seed 0: of seeds 0-3 (task-v15, bf16 on an AMX Xeon), 0 and 2 held every bar on the bench's held-out
+    # prompts, 0 with the wider margins. Every build now holds agent json; a seed's miss moved to refusal or
+    # nightly codes, so about half the builds hold every bar (BENCHMARKS.md, issue 14).
+    "demo-task": TaskModelSpec(seed=0),
 }
 assert set(TASK_SPECS) == set(TASK_NAMES), "model/builtin.py names every task model"
 
