@@ -469,6 +469,7 @@ def test_agent_ids_are_copied_whole_from_the_request(chat):
             assert copied.lstrip() == "#" + ident  # the request's id (the distractor's digits differ)
             assert sources == list(range(sources[0], sources[0] + len(id_ids)))  # one span
 
+
 @pytest.mark.task_model  # trains a tiny spec
 def test_frozen_circuit_stays_as_built():
     """With freeze_circuit the built heads leave training as they went in; the weights around them learn.
