@@ -151,7 +151,7 @@ def unconstrained(task_llm) -> tuple[dict, dict]:
 
 def test_lanes_pass_their_gates_unconstrained(unconstrained):
     """The bars hold for demo-task's build (seed 0, bf16, on the machine measured), not reliably for the
-    recipe: about half of its builds hold them, the rest miss refusal or nightly codes (issue 14;
+    recipe: 3 of 8 of its builds hold them, the rest miss refusal or nightly codes (issue 14;
     BENCHMARKS.md). So a CPU whose kernels round differently can fail here. Where this CPU trains under bf16
     autocast a miss is reported as an expected failure, with its numbers, and never hidden."""
     rates, report = unconstrained

@@ -148,7 +148,7 @@ def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> Tas
     parts = [sentence + "."]
     if rng.random() < 0.5:
         other = rng.choice(list(_INTENTS.values()))
-        at = rng.randint(0, 1)
+        at = rng.randint(0, 1)  # drawn before the distractor: the corpus' bytes follow the order of the draws
         parts.insert(at, rng.choice(_DISTRACTORS).format(id="#" + _new_id(rng, other[0], other[1])) + ".")
     before = rng.randint(0, new_words)
     evidence = " ".join(filter(None, [_filler(rng, before), *parts, _filler(rng, new_words - before)]))
