@@ -12,6 +12,7 @@ Skipped only when ray[serve] cannot be imported (`pip install 'twospeed[cluster]
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -252,12 +253,24 @@ def _processes() -> dict[int, tuple[int, int, str]]:
     return out
 
 
+def _descendants(procs: dict[int, tuple[int, int, str]], root: int) -> set[int]:
+    """The processes below root: the local Ray this test started is a child of pytest, so another test run's Ray
+    cluster on the same machine is not counted."""
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in procs.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads niceness from /proc")
 def test_the_route_runs_above_the_engines(cluster):
     """The replica actors (the route's and the streams' end) run at the workers' niceness, not Ray's default 15,
     and each one's engine process ClusterConfig.engine_nice above it: a hop preempts a step."""
     procs = _processes()
-    actors = {pid: nice for pid, (_, nice, cmd) in procs.items() if f"ServeReplica:{APP}:engine-" in cmd}
+    ours = _descendants(procs, os.getpid())
+    replica = f"ServeReplica:{APP}:engine-"
+    actors = {pid: nice for pid, (_, nice, cmd) in procs.items() if pid in ours and replica in cmd}
     assert len(actors) == 2 and set(actors.values()) == {WORKER_NICE}, actors
     engines = [nice for ppid, nice, cmd in procs.values() if ppid in actors and "engine_process" in cmd]
     assert engines == [WORKER_NICE + ClusterConfig().engine_nice] * 2, engines
