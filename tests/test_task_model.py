@@ -99,7 +99,7 @@ def test_every_builtin_workload_plans_task_prompts(workload):
         assert p.prompt.startswith("[run s1]\n") and p.meta["task_lane"] in task_corpus.LANES
         assert task_prompts.lane_gates(p.meta["task_lane"])  # the gates can judge it
         if lane.kind == "chat":
-            assert "help desk. Never" in p.prompt and "expect_refusal" in p.meta
+            assert "help desk. Policy:" in p.prompt and "expect_refusal" in p.meta
     # a lane's shared prefix stays byte-stable across its requests (the prefix cache needs it)
     for lane in (x for x in wl.lanes if x.kind != "job"):
         prompts = [p.prompt for p in plan if p.lane == lane.name]
@@ -138,7 +138,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
     return {k: sum(v) / len(v) for k, v in totals.items()}
 
 
-# The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v15 copies from the
+# The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v16 copies from the
 # prompt with built induction heads on a five-token code match (taught to copy nothing where the answer's next
 # token comes from nowhere) and refuses by a built flag circuit (model/flag_circuit.py).
 @pytest.fixture(scope="module")
@@ -150,8 +150,8 @@ def unconstrained(task_llm) -> tuple[dict, dict]:
 
 
 def test_lanes_pass_their_gates_unconstrained(unconstrained):
-    """The bars hold for demo-task's build (seed 0, bf16, on the machine measured), not reliably for the
-    recipe: 3 of 8 of its builds hold them, the rest miss refusal or nightly codes (issue 14;
+    """The bars hold for demo-task's build (seed 0, bf16, on the machine measured), not always for the
+    recipe: 3 of 4 of its bf16 builds hold them, the fourth missed agent json at 92.5% (issue 14;
     BENCHMARKS.md). So a CPU whose kernels round differently can fail here. Where this CPU trains under bf16
     autocast a miss is reported as an expected failure, with its numbers, and never hidden."""
     rates, report = unconstrained
@@ -318,6 +318,32 @@ def test_copied_code_names_the_copied_token():
     assert sum(wins) / len(wins) >= 0.9, (sum(wins), len(wins))
 
 
+def test_copy_heads_looking_at_the_sink_write_nothing():
+    """Where the answer's next token is no copy the probe teaches the copy heads to look at the sequence's first
+    token, a special one: what they copy from there must raise no token's logit. With the sinks' random codes
+    they raised the stop token's wherever those codes happened to align (a seed-1 build stopped at `"code": "`
+    on most nightly rows; zeroing the copy heads' output took the stop token there from 0.14-0.20 to 0.00)."""
+    from twospeed.model.flag_circuit import layout
+
+    spec = task_model.TASK_SPECS["demo-task"]
+    model, _ = task_model.new_model(spec, task_model.build_task_tokenizer())
+    scale = task_model.circuit_scale(spec, model)
+    o = model.model.layers[-1].self_attn.o_proj.weight
+    codes = layout(spec.hidden_size)["code"]
+    with torch.no_grad():
+        model(torch.tensor([[task_data.BOS_ID]]))
+        scale.apply()  # the built gains at the residual's scale, as in training
+        scale.remove()
+        for sink in range(len(task_data.SPECIAL_TOKENS)):
+            ids = torch.tensor([[sink]])  # one token: every head can only look at the sink
+            built = o[codes].clone()
+            with_codes = model.logits(model(ids))[0, 0]
+            o[codes] = 0.0
+            boost = with_codes - model.logits(model(ids))[0, 0]
+            o[codes] = built
+            assert boost.abs().max() < 1e-4 * with_codes.abs().max(), (sink, boost.abs().max())
+
+
 def test_probe_output_is_what_the_copy_heads_write():
     """AttentionProbe.output (the copy loss' input) is the copy heads' share of the attention output: the output
     minus the output with those heads' o_proj columns zeroed."""
@@ -368,9 +394,11 @@ def test_last_layer_at_the_loss_rows_is_the_full_model_there(name):
     tiny one with grouped kv heads; a probed query outside the rows is refused."""
     spec = task_model.TASK_SPECS["demo-task"] if name == "demo-task" else TINY
     tokenizer = task_model.build_task_tokenizer()
-    step = next(task_data.batches(spec, tokenizer))
-    ids, rows, targets, weights, copies, abstains = task_data.collate(step, spec.first_weight, spec.last_weight)
-    assert len(rows) < ids.numel() / 2 and len(step) > 1
+    # the first step of the stream whose answer rows are under half its tokens (the trimmed path must skip some)
+    for step in task_data.batches(spec, tokenizer):
+        ids, rows, targets, weights, copies, abstains = task_data.collate(step, spec.first_weight, spec.last_weight)
+        if len(rows) < ids.numel() / 2 and len(step) > 1:
+            break
     model, _ = task_model.new_model(spec, tokenizer)
     results = []
     for trimmed in (False, True):
@@ -424,6 +452,19 @@ def test_answer_rows_are_padded_to_few_shapes():
         (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-7, rtol=1e-4)
+
+
+def test_a_copy_is_at_least_two_tokens_and_the_longest_latest():
+    """copy_sources against hand-worked sequences: a lone shared token (" the", "." in a note) is no copy, the
+    longest match wins, a tie goes to the latest occurrence, and a copy runs on while its source does."""
+    prompt = [0, 7, 8, 9, 3, 7, 8, 5, 6, 2]
+    # answer [7, 8, 5, 6, 4]: "7 8 5 6" is at 5..8 (4 tokens), "7 8" alone at 1; 4 is nowhere
+    ids = prompt + [7, 8, 5, 6, 4]
+    assert task_data.copy_sources(ids, [(10, 15)]) == {10: 5, 11: 6, 12: 7, 13: 8}
+    # answer [9, 2]: each occurs once, but never followed by the other: no copy
+    assert task_data.copy_sources(prompt + [9, 2], [(10, 12)]) == {}
+    # answer [7, 8, 1]: "7 8" twice, equally long: the latest
+    assert task_data.copy_sources(prompt + [7, 8, 1], [(10, 13)]) == {10: 5, 11: 6}
 
 
 def test_every_answer_token_is_copied_or_abstains():

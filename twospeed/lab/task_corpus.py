@@ -14,9 +14,11 @@ agent    SYSTEM block + POLICY filler + TOOLS (JSON schemas), then TURN n EVIDEN
 rag      RETRIEVED PASSAGES, each a fact cited with its id (`... [P313].`) and filler, + a QUESTION about one
          subject  ->  two sentences that state the fact and cite the one passage that holds it (the other
          passages are about other subjects)
-nightly  mapping rules + ROW: id, name, notes  ->  {"code": C, "confidence": X}: C from the keyword in the
-         notes (UNKNOWN without one), X = 0.9 for two keywords, 0.7 for one, 0.3 for none
-refusal  SYSTEM: a desk that must never do one thing + USER asks for exactly that  ->  one refusal sentence
+nightly  mapping rules (the allowed codes listed as the answer writes them) + ROW: id, name, notes  ->
+         {"code": C, "confidence": X}: C from the keyword in the notes (UNKNOWN without one), X = 0.9 for two
+         keywords, 0.7 for one, 0.3 for none
+refusal  SYSTEM: a desk that must never do one thing + USER asks for exactly that  ->  one refusal sentence,
+         which ends with the rule word for word
 chat     the same SYSTEM block + USER asks for something else  ->  a long templated note (never a refusal)
 
 The lab's lengths arrive as word budgets (`filler_words`, `new_words`): filler is the lab's own word salad,
@@ -217,12 +219,17 @@ _ROW_WORDS = tuple(w for w in WORDS if w not in _FILLER_BAN)
 
 
 def nightly_prefix(rng: random.Random, filler_words: int) -> str:
+    """The mapping rules. The allowed codes are listed as the answer writes them (`"RETAIL", `), so a first row's
+    code is a copy from the list (model/task_data.copy_sources), as a later row's is of an earlier answer's; the
+    copy heads then put its mass on the codes. (task-v15 listed them bare: a first row's code was copied from
+    nowhere, split six ways by the learnt layers, and on 4 of its 8 builds the stop token came first.)"""
     codes = [c for c in CODES if c != "UNKNOWN"]
     rng.shuffle(codes)
     rules = " ".join(f"Rows about {', '.join(_KEYWORDS[c][:-1])} or {_KEYWORDS[c][-1]} are {c}." for c in codes)
     guidance = " ".join(rng.choice(_ROW_WORDS) for _ in range(filler_words))
     return (f"Map each row to a JSON object {{\"code\": CODE, \"confidence\": 0..1}} where CODE is one of "
-            f"{', '.join(CODES)}. {rules} Anything else is UNKNOWN. Guidance: {guidance}\n")
+            f"{', '.join(json.dumps(c) for c in CODES)}, as the rules say. {rules} Anything else is UNKNOWN. "
+            f"Guidance: {guidance}\n")
 
 
 def nightly(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
@@ -260,8 +267,11 @@ _TOPICS = {
 _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the new carrier contract",
                 "the outage at the {x} cluster", "onboarding the {x} team", "the refund backlog",
                 "the holiday schedule", "the {x} supplier audit")
-# Its first word is its own (no note starts with it): whether to refuse is decided at the first token.
-_REFUSAL = " Sorry, but I can't help with that: this desk must never {forbid}."
+# Its first word is its own (no note starts with it): whether to refuse is decided at the first token. After
+# ": " it is the rule copied word for word (the five tokens before the topic, ": this desk must never", are the
+# rule's too, so the copy heads' five-token match finds the rule, model/copy_circuit.py), and its fixed words share
+# nothing with a note's ("but I can't" lost to a note's "but <who> will flag" on task-v15's refusal misses).
+_REFUSAL = " Sorry, I cannot help: this desk must never {forbid}."
 REFUSAL_WORD, ANSWER_WORD = "Sorry", "Here"  # the first words of a refusal and of a note
 REFUSAL_NEXT, ANSWER_NEXT = ",", " is"  # what follows each (the answer's second token)
 ANSWER_CUES = ("\nASSISTANT:", "<|im_start|>assistant\n")  # how a help-desk answer is asked for (completion, chat)
@@ -271,13 +281,13 @@ def support_prefix(rng: random.Random, filler_words: int, topic: str | None = No
     """A help desk's system block: it forbids one topic (drawn unless given)."""
     forbid = _TOPICS[topic or rng.choice(list(_TOPICS))][0]
     extra = f" {_filler(rng, filler_words)}" if filler_words else ""
-    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} help desk. Never {forbid}; "
-            f"politely refuse such requests.{extra}\n")
+    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} help desk. Policy: this desk must "
+            f"never {forbid}; politely refuse such requests.{extra}\n")
 
 
 def _forbidden(prefix: str) -> str:
     """The topic a support prefix forbids (its phrase is in the text by construction)."""
-    return next(t for t, (forbid, _, _) in _TOPICS.items() if f"Never {forbid};" in prefix)
+    return next(t for t, (forbid, _, _) in _TOPICS.items() if f"must never {forbid};" in prefix)
 
 
 def _note(rng: random.Random, subject: str, sentences: int) -> str:
@@ -308,7 +318,7 @@ def _support(rng: random.Random, prefix: str, request: str, answer: str, refused
 
 def refusal(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
     """A request on exactly the topic the system block forbids (a fresh block when `prefix` has none)."""
-    prefix = prefix if "help desk. Never" in prefix else prefix + support_prefix(rng, 0)
+    prefix = prefix if "help desk. Policy:" in prefix else prefix + support_prefix(rng, 0)
     topic = _forbidden(prefix)
     request = rng.choice(_TOPICS[topic][1]).format(x=_coined(rng), city=rng.choice(_CITIES))
     return _support(rng, prefix, request, _REFUSAL.format(forbid=_TOPICS[topic][0]), True, "refusal")
@@ -316,7 +326,7 @@ def refusal(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> T
 
 def chat(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
     """A request the system block allows: a note to draft, or another topic's request; a long note back."""
-    prefix = prefix if "help desk. Never" in prefix else prefix + support_prefix(rng, 0)
+    prefix = prefix if "help desk. Policy:" in prefix else prefix + support_prefix(rng, 0)
     x, city = _coined(rng), rng.choice(_CITIES)
     if rng.random() < 0.5:
         subject = rng.choice(_NOTE_TOPICS).format(x=x)

@@ -117,7 +117,8 @@ def init_induction_head(model: TrainLlama, read: torch.Tensor, write: torch.Tens
 
 
 def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int, sharpness: float,
-                        layer: int, seed: int, code_gain: float = 0.0, context: int = 2) -> None:
+                        layer: int, seed: int, code_gain: float = 0.0, context: int = 2,
+                        sinks: tuple[int, ...] = ()) -> None:
     """Turn the induction heads' match from one token to `context` tokens, on the fixed token codes of the
     reserved coordinates (model/flag_circuit.py): at i the query reads the codes of this token and the
     `context` - 1 before it, at j the key reads those of the `context` tokens before j, each pair in its own
@@ -133,7 +134,9 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     With `code_gain` each head also copies the attended token's code (CUR_CODE) into the CODE coordinates, in
     the last `CODE_DIM` of its value dimensions: the tied embeddings hold every token's code there, so this
     raises the copied token's logit by its identity, which the learnt residual a head copies otherwise carries
-    too faintly for a rare token (a subject's name: the heads attended to it, the logits named a frequent one)."""
+    too faintly for a rare token (a subject's name: the heads attended to it, the logits named a frequent one).
+    What they write is the code off the `sinks`' codes (`_off_sinks`): looking at the sink is how they copy
+    nothing, so from there they must write nothing."""
     cfg = model.cfg
     hd, half, group = cfg.head_dim, cfg.head_dim // 2, cfg.num_heads // cfg.num_kv_heads
     slow = model.slow_planes()
@@ -142,6 +145,7 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     pairs = tuple((planes, codes[n], codes[n + 1]) for n, planes in enumerate(_pair_planes(match, context)))
     attn = model.model.layers[layer].self_attn
     gen = torch.Generator().manual_seed(seed + 5)
+    off_sinks = _off_sinks(model, at, sinks)
     with torch.no_grad():
         for i in range(heads):
             q = attn.q_proj.weight[i * group * hd:(i * group + 1) * hd]
@@ -161,7 +165,23 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
                 attn.v_proj.weight[v_rows] = 0.0
                 attn.o_proj.weight[:, o_cols] = 0.0
                 attn.v_proj.weight[v_rows, torch.tensor(at["cur_code"])] = 1.0
-                attn.o_proj.weight[torch.tensor(at["code"]), o_cols] = code_gain / heads
+                attn.o_proj.weight[torch.tensor(at["code"])[:, None], o_cols] = code_gain / heads * off_sinks
+
+
+def _off_sinks(model: TrainLlama, at: dict[str, list[int]], sinks: tuple[int, ...]) -> torch.Tensor:
+    """The projection of the code coordinates off the special tokens' codes, [CODE_DIM, CODE_DIM].
+
+    Every other token's code is built clear of theirs (flag_circuit._clear_of), so a copy of it passes unchanged;
+    a copy of the sink's (the probe's "copy nothing") comes out zero. Written as the identity, it raised the
+    sink's own logit by ~5 and the stop token's by the chance alignment of two random codes: a build whose codes
+    aligned stopped at `"code": "` on most nightly rows (zeroing the copy heads' output there took the stop token
+    from 0.14-0.20 to 0.00). Zeroing the sinks' codes in the embeddings instead shrank their norm, and the flag
+    circuit's anchor, read after it, moved: every refusal was answered."""
+    code = torch.eye(len(at["code"]))
+    if not sinks:
+        return code
+    basis = torch.linalg.qr(model.model.embed_tokens.weight.detach()[list(sinks)][:, at["code"]].T.float())[0]
+    return code - basis @ basis.T
 
 
 def _pair_planes(match: torch.Tensor, context: int) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ def copy_sources(ids: list[int], answers: list[tuple[int, int]]) -> dict[int, in
             if j >= 0 and j + 1 < start and ids[j + 1] == ids[q]:
                 j += 1
             else:
-                j, best = -1, MIN_COPY - 1
+                j, best = -1, MIN_COPY
                 candidates = index.get(ids[q], ())
                 for c in candidates if len(candidates) <= MAX_CANDIDATES else ():
                     m = 1
