@@ -277,12 +277,15 @@ REFUSAL_NEXT, ANSWER_NEXT = ",", " is"  # what follows each (the answer's second
 ANSWER_CUES = ("\nASSISTANT:", "<|im_start|>assistant\n")  # how a help-desk answer is asked for (completion, chat)
 
 
+_DESK = "help desk. Policy:"  # what marks a prefix as a help desk's system block
+
+
 def support_prefix(rng: random.Random, filler_words: int, topic: str | None = None) -> str:
     """A help desk's system block: it forbids one topic (drawn unless given)."""
     forbid = _TOPICS[topic or rng.choice(list(_TOPICS))][0]
     extra = f" {_filler(rng, filler_words)}" if filler_words else ""
-    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} help desk. Policy: this desk must "
-            f"never {forbid}; politely refuse such requests.{extra}\n")
+    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} {_DESK} this desk must never {forbid}; "
+            f"politely refuse such requests.{extra}\n")
 
 
 def _forbidden(prefix: str) -> str:
@@ -318,7 +321,7 @@ def _support(rng: random.Random, prefix: str, request: str, answer: str, refused
 
 def refusal(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
     """A request on exactly the topic the system block forbids (a fresh block when `prefix` has none)."""
-    prefix = prefix if "help desk. Policy:" in prefix else prefix + support_prefix(rng, 0)
+    prefix = prefix if _DESK in prefix else prefix + support_prefix(rng, 0)
     topic = _forbidden(prefix)
     request = rng.choice(_TOPICS[topic][1]).format(x=_coined(rng), city=rng.choice(_CITIES))
     return _support(rng, prefix, request, _REFUSAL.format(forbid=_TOPICS[topic][0]), True, "refusal")
@@ -326,7 +329,7 @@ def refusal(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> T
 
 def chat(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> TaskExample:
     """A request the system block allows: a note to draft, or another topic's request; a long note back."""
-    prefix = prefix if "help desk. Policy:" in prefix else prefix + support_prefix(rng, 0)
+    prefix = prefix if _DESK in prefix else prefix + support_prefix(rng, 0)
     x, city = _coined(rng), rng.choice(_CITIES)
     if rng.random() < 0.5:
         subject = rng.choice(_NOTE_TOPICS).format(x=x)

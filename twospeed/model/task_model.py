@@ -205,11 +205,11 @@ def new_model(spec: TaskModelSpec, tokenizer=None) -> tuple[TrainLlama, torch.op
         else:
             init_copy_head(model, spec.seed, gain=spec.copy_gain, heads=spec.copy_heads, layer=copy_layer(spec))
         if spec.flag is not None:
-            init_flag_circuit(model, flag_tokens(tokenizer or build_task_tokenizer()), spec.flag, spec.seed)
+            tokens = flag_tokens(tokenizer or build_task_tokenizer())
+            init_flag_circuit(model, tokens, spec.flag, spec.seed)
             if spec.code_match > 0:
                 init_code_induction(model, layout(spec.hidden_size), spec.copy_heads, spec.code_match,
-                                    copy_layer(spec), spec.seed, spec.code_gain, spec.code_context,
-                                    tuple(range(len(SPECIAL_TOKENS))))
+                                    copy_layer(spec), spec.seed, spec.code_gain, spec.code_context, tokens.sinks)
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": spec.weight_decay},
