@@ -6,6 +6,7 @@ folder (the session fixture `task_model_path`; CI points TWOSPEED_CACHE at a fre
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -493,10 +494,13 @@ def test_agent_ids_are_copied_whole_from_the_request(chat):
     """The call's id is a copy of the request's id, prefix included: the evidence writes it after '#', so its
     tokens are the ones the JSON string holds ('ORD', not ' ORD'), and copy_sources points every one of them
     at the request's id, never at the distractor's (task-v14 wrote the prefix from the picked tool). A session's
-    first call only: in a later one the prefix may continue a copy of an earlier call with the same prefix."""
+    first call only: in a later one the prefix may continue a copy of an earlier call with the same prefix.
+    Nor does the tool tell the prefix: each tool's ids come in several schemes (task-v16 learnt the picked
+    tool's one and wrote it over the copy)."""
     tokenizer = task_model.build_task_tokenizer()
     rng = random.Random("test-agent-ids")
-    for _ in range(30):
+    prefixes = collections.defaultdict(set)
+    for _ in range(120):
         s = task_corpus.session("agent", rng, rounds=1)
         seq = task_data.render(s, tokenizer, chat)
         for ex, (start, end) in zip(s.examples, seq.answers):
@@ -509,6 +513,8 @@ def test_agent_ids_are_copied_whole_from_the_request(chat):
             copied = tokenizer.decode(seq.ids[sources[0] - 1:sources[-1] + 1])
             assert copied.lstrip() == "#" + ident  # the request's id (the distractor's digits differ)
             assert sources == list(range(sources[0], sources[0] + len(id_ids)))  # one span
+            prefixes[ex.meta["expected"]["tool"]].add(ident.split("-")[0])
+    assert len(prefixes) == len(task_corpus.TOOLS) and all(len(p) >= 2 for p in prefixes.values()), prefixes
 
 
 @pytest.mark.task_model  # trains a tiny spec

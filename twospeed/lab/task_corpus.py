@@ -9,8 +9,9 @@ Every example is `prompt` (the text the lab sends to /v1/completions, or as the 
 /v1/chat/completions) + `answer` (the completion) + `meta` (what the gates need, and the truth):
 
 agent    SYSTEM block + POLICY filler + TOOLS (JSON schemas), then TURN n EVIDENCE naming a customer's
-         request and an id (`#ORD-793148`)  ->  {"tool": T, "arguments": {"id": ID}}: T follows from the
-         request's intent, ID is copied from the evidence (a second, closed id is a distractor)
+         request and an id (`#ORD-793148`, `#PO-48048`: each kind of id in several schemes)  ->
+         {"tool": T, "arguments": {"id": ID}}: T follows from the request's intent, ID is copied from the
+         evidence (a second, closed id is a distractor)
 rag      RETRIEVED PASSAGES, each a fact cited with its id (`... [P313].`) and filler, + a QUESTION about one
          subject  ->  two sentences that state the fact and cite the one passage that holds it (the other
          passages are about other subjects)
@@ -82,29 +83,36 @@ _TOOL_DOCS = {
     "update_address": "change the delivery address of an order", "escalate_ticket": "hand a ticket to a manager",
     "search_knowledge_base": "find a help article for a ticket", "schedule_callback": "book a phone call back",
     "cancel_subscription": "end a subscription", "check_inventory": "check whether an item is in stock"}
-# tool -> (id prefix, id digits, request templates): {c} customer, {id}, {x} a slot value. The call's one argument
-# is the id, copied from the evidence, where it is written "#ORD-793148" so that its tokens are the ones the JSON
-# string holds ('ORD', not ' ORD'): the copy heads (model/copy_circuit.py) copy the prefix with the digits, so
-# the id is the request's whichever tool is picked. A templated note per request used to follow it; which of a
-# tool's notes applied was a second content decision, and builds that missed it wrote a frequent note and looped
-# (task-v14: agent json 27.5-90% across seeds).
-_INTENTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
-    "lookup_order": ("ORD-", 6, ("{c} asks where order {id} is; it was due {x} days ago",
-                                 "{c} wants to know the status of order {id} placed in {city}")),
-    "issue_refund": ("ORD-", 6, ("{c} was charged twice for order {id} and wants the money back",
-                                 "{c} says order {id} arrived broken and asks for a refund of ${x}")),
-    "update_address": ("ORD-", 6, ("{c} moved and needs order {id} sent to {x} {street}",
-                                   "{c} asks to ship order {id} to {city} instead")),
-    "escalate_ticket": ("T-", 5, ("ticket {id} has been open for {x} days and {c} demands a manager",
-                                  "{c} is angry that ticket {id} was closed without a fix")),
-    "search_knowledge_base": ("T-", 5, ("{c} asks in ticket {id} how to reset a {thing}",
-                                        "{c} wants a guide for ticket {id} about {thing} setup")),
-    "schedule_callback": ("ACC-", 5, ("{c} wants a phone call about account {id} at {x}:00",
+# An id's kind -> the schemes it is written in (prefix, digits): companies number the same thing differently,
+# so a tool takes ids of several shapes. The call's one argument is the id, copied from the evidence, where it is
+# written "#ORD-793148" so that its tokens are the ones the JSON string holds ('ORD', not ' ORD'): the copy heads
+# (model/copy_circuit.py) copy the prefix with the digits. With one scheme a tool, task-v16's builds learnt the
+# picked tool's prefix as well and wrote it over the copy when they picked the wrong tool (then lost the JSON:
+# agent json 92.5-95% on two of four seeds); with several, only the copy predicts it.
+_ID_SCHEMES: dict[str, tuple[tuple[str, int], ...]] = {
+    "order": (("ORD-", 6), ("PO-", 5), ("SO-", 7)), "ticket": (("T-", 5), ("INC-", 6), ("CASE-", 5)),
+    "account": (("ACC-", 5), ("CUST-", 6)), "subscription": (("SUB-", 5), ("PLAN-", 4)),
+    "item": (("SKU-", 5), ("ITM-", 6))}
+# tool -> (id kind, request templates): {c} customer, {id}, {x} a slot value. A templated note per request used
+# to follow the id; which of a tool's notes applied was a second content decision, and builds that missed it
+# wrote a frequent note and looped (task-v14: agent json 27.5-90% across seeds).
+_INTENTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lookup_order": ("order", ("{c} asks where order {id} is; it was due {x} days ago",
+                               "{c} wants to know the status of order {id} placed in {city}")),
+    "issue_refund": ("order", ("{c} was charged twice for order {id} and wants the money back",
+                               "{c} says order {id} arrived broken and asks for a refund of ${x}")),
+    "update_address": ("order", ("{c} moved and needs order {id} sent to {x} {street}",
+                                 "{c} asks to ship order {id} to {city} instead")),
+    "escalate_ticket": ("ticket", ("ticket {id} has been open for {x} days and {c} demands a manager",
+                                   "{c} is angry that ticket {id} was closed without a fix")),
+    "search_knowledge_base": ("ticket", ("{c} asks in ticket {id} how to reset a {thing}",
+                                         "{c} wants a guide for ticket {id} about {thing} setup")),
+    "schedule_callback": ("account", ("{c} wants a phone call about account {id} at {x}:00",
                                       "{c} asks to be called back about account {id} on {day}")),
-    "cancel_subscription": ("SUB-", 5, ("{c} wants to cancel subscription {id} before it renews",
-                                        "{c} asks to end subscription {id} because of {reason}")),
-    "check_inventory": ("SKU-", 5, ("{c} asks whether item {id} is in stock in {city}",
-                                    "{c} needs {x} units of item {id} by friday")),
+    "cancel_subscription": ("subscription", ("{c} wants to cancel subscription {id} before it renews",
+                                             "{c} asks to end subscription {id} because of {reason}")),
+    "check_inventory": ("item", ("{c} asks whether item {id} is in stock in {city}",
+                                 "{c} needs {x} units of item {id} by friday")),
 }
 _THINGS = ("router", "password", "printer", "badge", "tablet", "modem", "login", "scanner")
 _DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday")
@@ -135,7 +143,8 @@ def _slots(rng: random.Random) -> dict[str, str]:
             "thing": rng.choice(_THINGS), "day": rng.choice(_DAYS), "reason": rng.choice(_REASONS)}
 
 
-def _new_id(rng: random.Random, prefix: str, digits: int) -> str:
+def _new_id(rng: random.Random, kind: str) -> str:
+    prefix, digits = rng.choice(_ID_SCHEMES[kind])
     return prefix + _digits(rng, digits)
 
 
@@ -143,15 +152,15 @@ def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> Tas
     """A turn whose request is for one of the tools the prefix lists."""
     listed = _listed_tools(prefix)
     tool = rng.choice(listed)
-    id_prefix, digits, requests = _INTENTS[tool]
+    kind, requests = _INTENTS[tool]
     request = rng.choice(requests)
-    ident, slots = _new_id(rng, id_prefix, digits), _slots(rng)
+    ident, slots = _new_id(rng, kind), _slots(rng)
     sentence = request.format(c=_person(rng), id="#" + ident, **slots)
     parts = [sentence + "."]
     if rng.random() < 0.5:
-        other = rng.choice(list(_INTENTS.values()))
+        other = rng.choice(list(_ID_SCHEMES))
         at = rng.randint(0, 1)  # drawn before the distractor: the corpus' bytes follow the order of the draws
-        parts.insert(at, rng.choice(_DISTRACTORS).format(id="#" + _new_id(rng, other[0], other[1])) + ".")
+        parts.insert(at, rng.choice(_DISTRACTORS).format(id="#" + _new_id(rng, other)) + ".")
     before = rng.randint(0, new_words)
     evidence = " ".join(filter(None, [_filler(rng, before), *parts, _filler(rng, new_words - before)]))
     call = {"tool": tool, "arguments": {"id": ident}}

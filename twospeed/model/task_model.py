@@ -56,7 +56,7 @@ from twospeed.model.train_dtype import train_in_bf16
 from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
-TASK_VERSION = "task-v16"
+TASK_VERSION = "task-v17"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
 DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
