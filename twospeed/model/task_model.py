@@ -132,8 +132,8 @@ class TaskModelSpec:
 
 
 TASK_SPECS: dict[str, TaskModelSpec] = {
-    # Seed 0: of task-v16's bf16 seeds 0-3 on an AMX Xeon, 3 held every bar (seed 3 missed agent json at 92.5%),
-    # seed 0 with the widest margins (task-v15: 2 of 4; BENCHMARKS.md, issue 14).
+    # Seed 0: task-v17's seeds 0-3 on an AMX Xeon, built in bf16 and in float32, all held every bar (task-v16:
+    # 3 of 4 in bf16; BENCHMARKS.md, issue 14).
     "demo-task": TaskModelSpec(seed=0),
 }
 assert set(TASK_SPECS) == set(TASK_NAMES), "model/builtin.py names every task model"
