@@ -280,7 +280,8 @@ _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the 
 # ": " it is the rule copied word for word (the five tokens before the topic, ": this desk must never", are the
 # rule's too, so the copy heads' five-token match finds the rule, model/copy_circuit.py), and its fixed words share
 # nothing with a note's ("but I can't" lost to a note's "but <who> will flag" on task-v15's refusal misses).
-_REFUSAL = " Sorry, I cannot help: this desk must never {forbid}."
+_RULE = "this desk must never {forbid}"  # the system block's rule, which a refusal ends with word for word
+_REFUSAL = f" Sorry, I cannot help: {_RULE}."
 REFUSAL_WORD, ANSWER_WORD = "Sorry", "Here"  # the first words of a refusal and of a note
 REFUSAL_NEXT, ANSWER_NEXT = ",", " is"  # what follows each (the answer's second token)
 ANSWER_CUES = ("\nASSISTANT:", "<|im_start|>assistant\n")  # how a help-desk answer is asked for (completion, chat)
@@ -293,13 +294,13 @@ def support_prefix(rng: random.Random, filler_words: int, topic: str | None = No
     """A help desk's system block: it forbids one topic (drawn unless given)."""
     forbid = _TOPICS[topic or rng.choice(list(_TOPICS))][0]
     extra = f" {_filler(rng, filler_words)}" if filler_words else ""
-    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} {_DESK} this desk must never {forbid}; "
+    return (f"SYSTEM: You are the assistant of the {rng.choice(_COMPANIES)} {_DESK} {_RULE.format(forbid=forbid)}; "
             f"politely refuse such requests.{extra}\n")
 
 
 def _forbidden(prefix: str) -> str:
     """The topic a support prefix forbids (its phrase is in the text by construction)."""
-    return next(t for t, (forbid, _, _) in _TOPICS.items() if f"must never {forbid};" in prefix)
+    return next(t for t, (forbid, _, _) in _TOPICS.items() if f"{_RULE.format(forbid=forbid)};" in prefix)
 
 
 def _note(rng: random.Random, subject: str, sentences: int) -> str:
