@@ -66,6 +66,15 @@ def write_hf_checkpoint(path, arch: str, dtype: torch.dtype = torch.float32, see
     return model
 
 
+def float32_llm(path, **kw):
+    """The engine over a checkpoint write_hf_checkpoint wrote (token ids only), in float32 as the transformers model
+    it is checked against: `dtype: auto` computes a float32 checkpoint in bf16 where the CPU has bf16 kernels
+    (model/compute_dtype.py), and exact agreement, with HF or between two of the engine's paths, needs float32."""
+    from twospeed import LLM
+
+    return LLM(str(path), **{"skip_tokenizer_init": True, "dtype": "float32", **kw})
+
+
 @pytest.fixture(scope="session", params=sorted(ARCH_CONFIGS))
 def hf_checkpoint(request, tmp_path_factory):
     """(arch, folder, transformers model) for each architecture, fp32."""

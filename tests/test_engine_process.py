@@ -85,7 +85,7 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
                 assert len(clock.token_times) == 6 and last[f"g-{i}"].verdict.met
             streamed = {}
             for it in items:  # the items' tokens add up to the whole output, stamped in this process's clock
-                streamed.setdefault(it.request_id, []).extend(it.output.new_token_ids)
+                streamed.setdefault(it.request_id, []).extend(it.delta.new_token_ids)
             assert streamed == {rid: it.output.token_ids for rid, it in last.items()}
             await until(lambda: pe.num_running == 0 and pe.num_waiting == 0)
             # the engine's cost model reaches this side: seeded by its probe at ready, refreshed once it goes idle
@@ -117,10 +117,10 @@ def test_an_abort_returns_every_block_and_a_dead_engine_ends_its_streams():
             g = group([5, 6, 7], max_tokens=100, name="long")
             await pe.add(g)
             first = await asyncio.wait_for(g.next(), 60)
-            assert first.output is not None and not first.finished
+            assert first.delta is not None and not first.finished
             pe.abort(g)
             items = await finish(g)
-            assert items[-1].output is None  # aborted
+            assert items[-1].delta is None  # aborted
             await until(lambda: loads and loads[-1].kv_usage == 0.0 and pe.num_running == 0)
             # the engine process dies mid-stream: the stream ends with an error, not a hang
             g = group([5, 6, 7], max_tokens=100, name="doomed")

@@ -206,8 +206,8 @@ def test_a_quantized_pool_holds_about_twice_the_tokens():
 def test_engine_over_a_quantized_cache_agrees_between_attention_paths(tmp_path, kv):
     """fp32 model, a pool small enough to preempt: greedy tokens equal between the C decode kernel and the
     portable path over the same quantized cache, whatever the batch and chunking."""
-    from conftest import write_hf_checkpoint
-    from twospeed import LLM, SamplingParams
+    from conftest import float32_llm, write_hf_checkpoint
+    from twospeed import SamplingParams
 
     write_hf_checkpoint(tmp_path, "llama")
     rng = random.Random(3)
@@ -215,8 +215,8 @@ def test_engine_over_a_quantized_cache_agrees_between_attention_paths(tmp_path, 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     runs = []
     for backend in ("torch", "cpu") if load_kernel() is not None else ("torch",):
-        llm = LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_dtype=kv, attention_backend=backend,
-                  num_gpu_blocks=10, block_size=8, max_num_batched_tokens=16)
+        llm = float32_llm(tmp_path, kv_cache_dtype=kv, attention_backend=backend, num_gpu_blocks=10, block_size=8,
+                          max_num_batched_tokens=16)
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
         assert llm.engine.scheduler.num_preemptions > 0  # 10 blocks of 8 cannot hold all four
         assert llm.engine.runner.kv_cache.shape[-1] == (14 if kv == "int8" else 12)

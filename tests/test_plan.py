@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import write_hf_checkpoint
+from conftest import float32_llm, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.cli import main
 from twospeed.engine.runner import kv_bytes_per_block
@@ -82,8 +82,7 @@ def test_flops_match_a_count_of_the_real_forward(checkpoint):
     equals the roofline's prefill and decode FLOPs summed over the requests."""
     name, path = checkpoint
     # the portable attention path: the CPU decode kernel is a C call that FlopCounterMode cannot see
-    llm = LLM(str(path), block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24, skip_tokenizer_init=True,
-              attention_backend="torch")
+    llm = float32_llm(path, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24, attention_backend="torch")
     cfg = llm.engine.model_config
     assert (cfg.sliding_window == 8) == name.endswith("window")
     base = [(7 * i) % 200 + 3 for i in range(37)]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import write_hf_checkpoint
+from conftest import float32_llm, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 
 
@@ -60,14 +60,14 @@ ENGINE_SETUPS = {
 @pytest.mark.parametrize("setup", sorted(ENGINE_SETUPS))
 def test_greedy_matches_hf(reference, setup):
     arch, path, _, prompts, expected = reference
-    llm = LLM(str(path), skip_tokenizer_init=True, **{"block_size": 8, **ENGINE_SETUPS[setup]})
-    stats, real_step = [], llm.engine.step
+    llm = float32_llm(path, **{"block_size": 8, **ENGINE_SETUPS[setup]})
+    stats, real_step = [], llm.engine.step_deltas
 
     def step():  # keep every step's StepStats
         outputs = real_step()
         stats.append(llm.engine.last_stats)
         return outputs
-    llm.engine.step = step
+    llm.engine.step_deltas = step
     outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     for prompt, out, exp in zip(prompts, outs, expected):
         assert out.token_ids == exp, f"{arch}/{setup}: prompt of {len(prompt)} tokens"
@@ -79,7 +79,7 @@ def test_greedy_matches_hf(reference, setup):
 
 def test_prefix_cache_warm_gives_same_tokens(reference):
     arch, path, _, prompts, expected = reference
-    llm = LLM(str(path), skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16)
+    llm = float32_llm(path, block_size=4, max_num_batched_tokens=16)
     llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     warm = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     for prompt, out, exp in zip(prompts, warm, expected):
@@ -92,7 +92,7 @@ def test_prefix_cache_warm_gives_same_tokens(reference):
 def test_preemption_recomputes_exactly(reference):
     arch, path, _, prompts, expected = reference
     # 24 blocks of 4 tokens: the longest request alone needs 19, so the batch must preempt.
-    llm = LLM(str(path), skip_tokenizer_init=True, block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16)
+    llm = float32_llm(path, block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16)
     outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
@@ -105,7 +105,7 @@ def test_preemption_recomputes_exactly(reference):
 def test_logprobs_close_to_hf(reference):
     """fp32 logprobs of every generated token within 1e-4 of HF's full-sequence forward pass."""
     arch, path, model, prompts, expected = reference
-    llm = LLM(str(path), skip_tokenizer_init=True, block_size=8, max_num_batched_tokens=9)
+    llm = float32_llm(path, block_size=8, max_num_batched_tokens=9)
     outs = llm.generate(prompts, [greedy(n, logprobs=3) for n in MAX_TOKENS])
     for prompt, out in zip(prompts, outs):
         seq = torch.tensor([prompt + out.token_ids])
@@ -146,8 +146,7 @@ def test_sliding_window_matches_hf(tmp_path, backend):
     model = write_hf_checkpoint(tmp_path, "mistral", sliding_window=8)
     prompts = make_prompts(model.config.vocab_size, seed=2)
     expected = [hf_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=11,
-              attention_backend=backend)
+    llm = float32_llm(tmp_path, block_size=4, max_num_batched_tokens=11, attention_backend=backend)
     assert llm.engine.model_config.sliding_window == 8
     outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     for prompt, out, exp in zip(prompts, outs, expected):

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import write_hf_checkpoint
+from conftest import float32_llm, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.engine.request import Request
 from twospeed.engine.sampler import Sampler
@@ -215,7 +215,7 @@ def tiny(tmp_path_factory):
 
 
 def engine_llm(path, **kw) -> LLM:
-    return LLM(path, skip_tokenizer_init=True, **{"block_size": 4, "num_gpu_blocks": 128, **kw})
+    return float32_llm(path, **{"block_size": 4, "num_gpu_blocks": 128, **kw})
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -67,11 +67,11 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
             ok = group([5, 6, 7], name="ok")
             await ae.add(ok)
             items = await finish(ok)
-            assert sum(len(i.output.new_token_ids) for i in items) == 4 and items[-1].output.finished
-            assert all(len(i.token_times) == len(i.output.new_token_ids) for i in items)
+            assert sum(len(i.delta.new_token_ids) for i in items) == 4 and items[-1].output.finished
+            assert all(len(i.delta.token_times) == len(i.delta.new_token_ids) for i in items)
 
             # A step that raises fails the sequences in flight and nothing else.
-            real_step = engine.step
+            real_step = engine.step_deltas
             calls = {"n": 0}
 
             def flaky_step():
@@ -80,24 +80,24 @@ def test_async_engine_survives_bad_input_failures_and_aborts(engine):
                     raise RuntimeError("injected fault")
                 return real_step()
 
-            engine.step = flaky_step
+            engine.step_deltas = flaky_step
             try:
                 doomed = group([8, 9, 10], max_tokens=20, name="doomed")
                 await ae.add(doomed)
                 items = await finish(doomed)
                 assert items[-1].error is not None and "injected fault" in str(items[-1].error)
             finally:
-                engine.step = real_step
+                engine.step_deltas = real_step
             assert ae.step_failures == 1 and ae.is_alive
 
             # An abort mid-generation returns every block.
             long = group([11, 12], max_tokens=100, name="long")
             await ae.add(long)
             first = await long.next()
-            assert first.output is not None
+            assert first.delta is not None
             ae.abort(long)
             items = await finish(long)
-            assert items[-1].output is None  # the abort marker
+            assert items[-1].delta is None  # the abort marker
             await until_idle(engine)
 
             # And it still serves.

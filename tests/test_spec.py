@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from conftest import write_hf_checkpoint
+from conftest import float32_llm, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.engine.sampling_params import StructuredOutput
 from test_reference import hf_greedy
@@ -66,7 +66,7 @@ def spec_llm(path, other, proposer: str, **kw) -> LLM:
     opts = dict(PROPOSERS[proposer])
     if "draft_model" in opts:
         opts["draft_model"] = str(path if opts["draft_model"] == "@self" else other)
-    return LLM(str(path), skip_tokenizer_init=True, **{"block_size": 8, "num_gpu_blocks": 256, **opts, **kw})
+    return float32_llm(path, **{"block_size": 8, "num_gpu_blocks": 256, **opts, **kw})
 
 
 def check_trace(out, preempted: bool = False) -> None:
@@ -158,7 +158,7 @@ def test_preemption_with_speculation_recomputes_exactly(reference, proposer):
 
 def test_logprobs_with_speculation_equal_plain(reference):
     arch, path, other, prompts, _ = reference
-    plain = LLM(str(path), skip_tokenizer_init=True, block_size=8, num_gpu_blocks=256)
+    plain = float32_llm(path, block_size=8, num_gpu_blocks=256)
     spec = spec_llm(path, other, "self-draft")
     params = [greedy(n, logprobs=2) for n in MAX_TOKENS]
     for a, b in zip(plain.generate(prompts, params), spec.generate(prompts, params)):
@@ -172,7 +172,7 @@ def test_logprobs_with_speculation_equal_plain(reference):
 def test_seeded_sampling_identical_with_and_without_speculation(reference, proposer):
     """Each emitted token consumes its position's own noise vector, so a seed gives the same tokens either way."""
     arch, path, other, prompts, _ = reference
-    plain = LLM(str(path), skip_tokenizer_init=True, block_size=8, num_gpu_blocks=256)
+    plain = float32_llm(path, block_size=8, num_gpu_blocks=256)
     spec = spec_llm(path, other, proposer, spec_auto_fallback=False)
     params = [SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.95, seed=100 + i, ignore_eos=True)
               for i, n in enumerate(MAX_TOKENS)]
@@ -261,8 +261,8 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
 
 def test_vllm_style_speculative_config(reference):
     arch, path, other, prompts, expected = reference
-    llm = LLM(str(path), skip_tokenizer_init=True, num_gpu_blocks=256,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    llm = float32_llm(path, num_gpu_blocks=256,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     assert llm.engine.config.spec.num_speculative_tokens == 3
     outs = llm.generate(prompts[:2], [greedy(n) for n in MAX_TOKENS[:2]])
     assert [o.token_ids for o in outs] == expected[:2]

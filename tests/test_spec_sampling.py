@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_hf_checkpoint
-from twospeed import LLM, SamplingParams
+from conftest import float32_llm, write_hf_checkpoint
+from twospeed import SamplingParams
 from twospeed.engine.request import Request
 from twospeed.engine.sampler import Sampler
 from test_sampling import expected_probs
@@ -135,8 +135,8 @@ def test_engine_speculative_sampling_preserves_the_distribution(tiny, name):
     step's own token or the next step's): the second and third tokens' joint distribution is the target's."""
     root, model = tiny
     params = SamplingParams(max_tokens=3, ignore_eos=True, **FILTERS[name])
-    llm = LLM(str(root / "target"), skip_tokenizer_init=True, seed=11, max_num_seqs=256, num_gpu_blocks=1100,
-              block_size=4, spec_method="draft", draft_model=str(root / "target"), spec_auto_fallback=False)
+    llm = float32_llm(root / "target", seed=11, max_num_seqs=256, num_gpu_blocks=1100, block_size=4,
+                      spec_method="draft", draft_model=str(root / "target"), spec_auto_fallback=False)
     n = 2000
     outs = llm.generate([PROMPT] * n, params)
     proposed = sum(o.spec.proposed for o in outs)

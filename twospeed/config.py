@@ -221,7 +221,9 @@ class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
     model: str  # checkpoint folder, or a built-in ("demo", "demo-task")
-    dtype: str = "auto"  # "auto" (the checkpoint's; float32 on a CPU without its kernels), "float32", "bfloat16", ...
+    # "auto": a float32 checkpoint in bf16 where the device has bf16 kernels (a GPU without them: fp16), any other in
+    # its own dtype, or in float32 on a CPU without its kernels (model/compute_dtype.py); or "float32", "bfloat16", ...
+    dtype: str = "auto"
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only

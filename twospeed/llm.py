@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
+from twospeed.engine.outputs import SequenceOutput
 from twospeed.engine.request import RequestOutput
 from twospeed.engine.sampling_params import SamplingParams
 
@@ -36,18 +37,20 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
+        requests = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                req = self.engine.add_request(None, prompt, p, priority=priorities[i] if priorities else 0)
-                ids.append(req.request_id)
+                requests.append(self.engine.add_request(None, prompt, p, priority=priorities[i] if priorities else 0))
         except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for req in requests:
+                self.engine.abort_request(req.request_id)
             raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in ids]
+        # Each step's deltas added up per request: nothing is copied per step, the whole output once at the end.
+        seqs = {r.request_id: SequenceOutput(r.request_id, r.prompt_token_ids, r.params.logprobs is not None)
+                for r in requests}
+        left = len(seqs)
+        while left:
+            for delta in self.engine.step_deltas():
+                seqs[delta.request_id].add(delta)
+                left -= delta.finished
+        return [seqs[r.request_id].output(r.prompt) for r in requests]

@@ -3,8 +3,8 @@
 The routes call add / abort and read group.queue exactly as with the local AsyncEngine; here `add` checks the
 request against the admission table (the same 400s a replica would give, before anything is routed), asks the
 router for a replica, and opens a stream to it: the replica answers
-Admitted (or Refused: a ValueError, the client's 400) and then Batches of Deltas, which a pump task turns back
-into StreamItems on the group's queue (wire.py). The stream runs over the replica's direct channel (channel.py,
+Admitted (or Refused: a ValueError, the client's 400) and then Batches of StreamItems (each a sequence's
+RequestDelta), which a pump task puts, in this process's time, on the group's queue (wire.py). The stream runs over the replica's direct channel (channel.py,
 one TCP connection per replica; ClusterConfig.direct_streams) or through Ray Serve's handle: both answer the
 same messages. `abort` cancels the stream; the replica aborts the group's sequences and their KV blocks go back.
 
@@ -34,7 +34,7 @@ from twospeed.engine.sampling_params import InvalidParam
 from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
 from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
-from twospeed.server.wire import Admitted, Assembler, Batch, Load, Refused, RoutedGroup, TimeBase
+from twospeed.server.wire import Admitted, Batch, Load, Refused, RoutedGroup, TimeBase, from_wire
 
 log = logging.getLogger(__name__)
 # The hop is on every request's critical path: by value over Ray Serve's gRPC transport, plain pickle (our messages
@@ -220,22 +220,24 @@ class ClusterEngine:
     async def _pump(self, group: RequestGroup, stream: _Stream) -> None:
         """The replica's Batches -> StreamItems on the group's queue, until its sequences end or the replica dies."""
         slot, index = stream.slot, self.slots.index(stream.slot)
-        assembler = Assembler(group.specs, group.arrival_time, self.base)
-        open_seqs = {s.request_id for s in group.specs}
+        outputs = {s.request_id: [] for s in group.specs}  # each sequence's tokens so far (the router's record)
+        open_seqs = set(outputs)
         try:
             async for batch in stream.response:
                 assert isinstance(batch, Batch)
                 slot.update(batch.load)
                 stream.prefilled()  # the first batch carries the first token: the prompt is through
-                for delta in batch.deltas:
-                    item = assembler.item(delta)
+                for item in batch.items:
+                    item = from_wire(item, self.base)
                     group.queue.put_nowait(item)
+                    if item.delta is not None and item.request_id in outputs:
+                        outputs[item.request_id] += item.delta.new_token_ids
                     if item.finished and item.request_id in open_seqs:
                         open_seqs.discard(item.request_id)
                         slot.load.in_flight -= 1
-                        if item.output is not None and item.output.token_ids:
-                            tokens = assembler.output_tokens(item.request_id)[:-1]  # the last one's KV is not computed
-                            self.router.record(index, tokens)
+                        if tokens := outputs[item.request_id]:  # what its cache holds (the last token's KV is not)
+                            spec = next(s for s in group.specs if s.request_id == item.request_id)
+                            self.router.record(index, [*spec.prompt_token_ids, *tokens[:-1]])
                     if item.ends_group:
                         slot.load.in_flight -= len(open_seqs)
                         open_seqs.clear()
@@ -244,7 +246,7 @@ class ClusterEngine:
         except Exception as e:
             if open_seqs:
                 self._lost(slot, e, 1)
-                group.queue.put_nowait(StreamItem("", -1, None, [], error=ReplicaLost(
+                group.queue.put_nowait(StreamItem("", -1, None, error=ReplicaLost(
                     f"replica {slot.name} went away while serving this request ({type(e).__name__}); retry it"),
                     ends_group=True))
         finally:

@@ -30,7 +30,7 @@ from twospeed.server.engine_view import EngineFacts
 from twospeed.server.events import EngineEvent, LoadEvent
 from twospeed.server.request_group import RequestGroup
 from twospeed.server.state import ServerState
-from twospeed.server.wire import Admitted, Batch, Encoder, Load, Refused, RoutedGroup, TimeBase
+from twospeed.server.wire import Admitted, Batch, Load, Refused, RoutedGroup, TimeBase, to_wire
 
 
 class EngineReplica:
@@ -64,7 +64,7 @@ class EngineReplica:
     async def generate(self, routed: RoutedGroup):
         now, route_time = time.monotonic(), max(0.0, time.time() - routed.arrival_unix)
         group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, itl_target=routed.itl_target,
-                             speculate=routed.speculate, routed_time=now)
+                             speculate=routed.speculate, routed_time=now, assemble=False)  # the ingress adds up
         state = self.state
         try:
             if state.draining:
@@ -79,14 +79,13 @@ class EngineReplica:
             yield Refused(f"the engine refused this request: {e}")
             return
         state.open_groups.add(group)
-        encoder = Encoder(self.base)
         try:
             yield Admitted(route_time, self.load())
             while not group.done:
                 items = [await group.next()]
                 while not group.done and not group.queue.empty():  # whatever else is ready goes in the same message
                     items.append(await group.next())
-                yield Batch([encoder.delta(item) for item in items], self.load())
+                yield Batch([to_wire(item, self.base) for item in items], self.load())
         finally:  # done, or cancelled by the ingress (the client left): abort what is left
             state.release(group)
 

@@ -29,6 +29,8 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +43,7 @@ from twospeed.engine.engine_stats import EngineMemory, StepStats
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.lazy_pool import LazyBlockPool
+from twospeed.engine.outputs import Finish, RequestDelta
 from twospeed.engine.request import Request, RequestOutput, RequestStatus
 from twospeed.engine.runner import ModelRunner, kv_bytes_per_token, num_blocks_for
 from twospeed.engine.sampler import Sampler
@@ -53,6 +56,11 @@ from twospeed.model.compute_dtype import auto_dtype
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # "bfloat16": what the server reads (it never imports torch)
 
 
 class LLMEngine:
@@ -62,9 +70,13 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_path)
         self.device = torch.device(config.device)
         self.dtype = auto_dtype(self.model_config.dtype, self.device) if config.dtype == "auto" else DTYPES[config.dtype]
-        if self.dtype != self.model_config.dtype and config.dtype == "auto":
-            log.info("this CPU has no fast %s kernels: computing in %s (set dtype to override)",
-                     self.model_config.dtype, self.dtype)
+        stored, computed = _name(self.model_config.dtype), _name(self.dtype)
+        if stored != computed and config.dtype == "auto":
+            if stored == "float32":  # less precision than stored: a warning, as the engine process shows no info
+                log.warning("checkpoint stored in float32; computing in %s (dtype auto; --dtype float32 to keep "
+                            "float32)", computed)
+            else:
+                log.info("this CPU has no fast %s kernels: computing in %s (set dtype to override)", stored, computed)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         # Fewer threads while other processes take cores (engine/threads.py); the count set here is the ceiling.
@@ -122,7 +134,8 @@ class LLMEngine:
     def memory(self) -> EngineMemory:
         cache = self.config.cache
         per_token = kv_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
-        return EngineMemory(self.config.quantization, self.model.weight_bytes(), cache.kv_cache_dtype, per_token,
+        return EngineMemory(_name(self.dtype), _name(self.model_config.dtype), self.config.quantization,
+                            self.model.weight_bytes(), cache.kv_cache_dtype, per_token,
                             cache.block_size, per_token * cache.block_size, self.num_blocks,
                             self.num_blocks * cache.block_size)
 
@@ -192,6 +205,14 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; each request it touched as a whole RequestOutput (`LLM.generate`, tests)."""
+        return self._step(self._output)
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step; each request it touched as a RequestDelta: only what changed (the serving path)."""
+        return self._step(self._delta)
+
+    def _step(self, emit: Callable[[Request], T]) -> list[T]:
         start = time.monotonic()
         if self.threads is not None:
             self.threads.tick()
@@ -237,10 +258,10 @@ class LLMEngine:
         outputs = []
         for req in touched:
             try:
-                outputs.append(self._output(req))
+                outputs.append(emit(req))
             except Exception as e:
                 errored += self._fail_all({req: e}, "detokenizing it")
-                outputs.append(self._output(req))
+                outputs.append(emit(req))
         self.num_step_failures += bool(errored)
         end = time.monotonic()
         if not errored:  # a failed step's time went into isolating the failure: it says nothing of the shape
@@ -355,6 +376,27 @@ class LLMEngine:
         """The stop policy's answer applied (engine/stop.py, shared with the planner's simulator)."""
         req.stop_reason = stop.reason
         self.scheduler.finish_request(req, stop.status)
+
+    def _delta(self, req: Request) -> RequestDelta:
+        """What changed for req since its last delta; its Finish once it has ended. Nothing here grows with the
+        request's length (the whole text is read once, at the end)."""
+        start = req.num_emitted
+        new_text = ""
+        if req.detokenizer is not None and req.error is None:  # a failed request keeps the text it had
+            if req.is_finished:
+                req.detokenizer.finish()
+            new_text = req.detokenizer.take_delta()
+        req.num_emitted = len(req.output_token_ids)
+        delta = RequestDelta(req.request_id, req.output_token_ids[start:], new_text, req.clock.token_times[start:])
+        if req.params.logprobs is not None:
+            delta.new_logprobs = req.logprobs[req.num_logprobs_emitted:]
+            req.num_logprobs_emitted = len(req.logprobs)
+        if req.is_finished:
+            if req.detokenizer is not None:
+                req.text = req.detokenizer.output_text
+            delta.finish = Finish(req.finish_reason, req.stop_reason, req.text, req.clock, req.bill,
+                                  req.spec if self.speculator is not None else None, req.num_preemptions, req.error)
+        return delta
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.output_token_ids[req.num_emitted:]

@@ -241,7 +241,8 @@ class Request:
         self.grammar = None  # structured.GrammarState when params.structured is set
         self.detokenizer = None  # IncrementalDetokenizer when a tokenizer is loaded
         self.text = ""
-        self.num_emitted = 0  # output tokens already reported in a RequestOutput
+        self.num_emitted = 0  # output tokens already reported (RequestOutput.new_token_ids, RequestDelta)
+        self.num_logprobs_emitted = 0  # of self.logprobs, those already in a RequestDelta
         # Speculation: draft tokens for this step's verify rows, held beside the accepted tokens (never in
         # all_token_ids, never hashed into the prefix cache) until the sampler has checked them.
         self.spec_token_ids: list[int] = []

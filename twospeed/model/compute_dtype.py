@@ -1,13 +1,19 @@
 """The dtype the engine computes in when its config says `dtype: auto`.
 
-A checkpoint's dtype says how its weights are stored, not what the device multiplies fast. On a CPU without
-bf16 dot products (no AVX-512 BF16, AMX or AVX-512 emulation in oneDNN), torch runs a bf16 matmul through a
-scalar fallback. Measured on a 2-core AVX2 Zen 3: a [1536 x 256] x [256 x 1024] product took 724 ms in bf16 and
-8.4 ms in float32; a 16-row decode linear 9.6 ms against 2.0 ms. So there a bf16 (or fp16) checkpoint computes
-in float32: activations and KV cache twice the bytes, 5-90x the speed. Its weights need not double: the dense
-format keeps a bf16 checkpoint's weights in bf16 and widens them in registers (model/packed_linear.py,
-`WidenPacking`). An explicit `dtype` is always obeyed. On a GPU the checkpoint's dtype stands.
+A checkpoint's dtype says how its weights are stored, not what the device multiplies fast. Two rules follow:
 
+- A float32 checkpoint (transformers saves in float32 by default) computes in half precision where the device
+  has fast kernels for it, as vLLM's `auto` does: bfloat16 on a CPU with bf16 kernels (AVX-512 BF16, AMX), on a
+  GPU bfloat16 where it supports it, else float16. On such a CPU float32 misses the bf16 kernels (the C linears,
+  AMX): measured 2-3x slower than bf16, with a KV cache of twice the bytes. `dtype: float32` keeps float32.
+- A bf16 (or fp16) checkpoint computes in its own dtype, except on a CPU without kernels for it (no AVX-512 BF16,
+  AMX or AVX-512 emulation in oneDNN), where torch runs a bf16 matmul through a scalar fallback. Measured on a
+  2-core AVX2 Zen 3: a [1536 x 256] x [256 x 1024] product took 724 ms in bf16 and 8.4 ms in float32; a 16-row
+  decode linear 9.6 ms against 2.0 ms. There it computes in float32: activations and KV cache twice the bytes,
+  5-90x the speed. Its weights need not double: the dense format keeps them in bf16 and widens them in registers
+  (model/packed_linear.py, `WidenPacking`).
+
+An explicit `dtype` is always obeyed (LLMEngine; this module decides `auto` only).
 Input: the checkpoint's dtype and the device. Output: the dtype the weights, activations and KV cache use.
 """
 
@@ -30,7 +36,12 @@ def cpu_computes(dtype: torch.dtype) -> bool:
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The checkpoint's dtype, unless the device is a CPU without fast kernels for it: then float32."""
-    if torch.device(device).type != "cpu" or cpu_computes(checkpoint_dtype):
-        return checkpoint_dtype
-    return torch.float32
+    """What `dtype: auto` computes a checkpoint stored in `checkpoint_dtype` in on `device` (the module says why)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        if checkpoint_dtype == torch.float32:
+            return torch.bfloat16 if cpu_computes(torch.bfloat16) else torch.float32
+        return checkpoint_dtype if cpu_computes(checkpoint_dtype) else torch.float32
+    if kind == "cuda" and checkpoint_dtype == torch.float32:  # only here is CUDA asked anything
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return checkpoint_dtype

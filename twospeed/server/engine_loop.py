@@ -166,7 +166,7 @@ class EngineLoop:
             return None
         self.engine.abort_request(request_id)
         verdict = self._finish_hook(t, aborted=True)
-        return t.group, StreamItem(request_id, t.spec.index, None, [], verdict)
+        return t.group, StreamItem(request_id, t.spec.index, None, verdict)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         batch = []
@@ -188,7 +188,7 @@ class EngineLoop:
     def _step(self) -> None:
         isolated = self.engine.num_step_failures
         try:
-            outputs = self.engine.step()
+            deltas = self.engine.step_deltas()
         except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
             self.step_failures += 1
             log.exception("engine step failed; failing %d in-flight sequences", len(self._tracked))
@@ -200,17 +200,16 @@ class EngineLoop:
         if self.engine.num_step_failures != isolated:
             self._emit(FaultEvent("request"))
         batch = []
-        for out in outputs:
-            t = self._tracked.get(out.request_id)
+        for delta in deltas:
+            t = self._tracked.get(delta.request_id)
             if t is None:
                 continue
-            k = len(out.new_token_ids)
-            item = StreamItem(out.request_id, t.spec.index, out, t.request.clock.token_times[-k:] if k else [])
-            if out.error is not None:
-                item.error = EngineError(out.error)
-            if out.finished:
-                del self._tracked[out.request_id]
-                item.verdict = self._finish_hook(t, aborted=out.error is not None)
+            item = StreamItem(delta.request_id, t.spec.index, delta)
+            if delta.finish is not None:
+                if delta.finish.error is not None:
+                    item.error = EngineError(delta.finish.error)
+                del self._tracked[delta.request_id]
+                item.verdict = self._finish_hook(t, aborted=delta.finish.error is not None)
             batch.append((t.group, item))
         self._post(batch)
         if self.engine.last_stats is not None:

@@ -11,13 +11,13 @@ the LLMEngine, says `ready` with its facts (server/engine_view.py), then runs th
 a reader thread there turns the commands arriving on a pipe into the loop's commands (compiling a request's
 grammar first, so the loop finds it built). After each pass of the
 loop (a step, or a batch of commands) it sends one message: the adds it finished, the events its listeners
-heard (a FinishEvent carries an EndedSequence, not the Request) and the step's items as wire Deltas
-(server/wire.py: only what is new, never the whole output again).
+heard (a FinishEvent carries an EndedSequence, not the Request) and the step's items, each with its request's
+RequestDelta (engine/outputs.py: only what is new, never the whole output again).
 
 This side (`ProcessEngine`, the EngineClient `twospeed serve` uses) sends commands from the event loop and reads
 the messages on a thread of its own: it judges each finished sequence (the lanes' SLOs), tells its listeners
-(the metrics, the dashboard's history), rebuilds each StreamItem with the Assembler and hands the batch to the
-event loop with one call_soon_threadsafe. Stamps cross as monotonic seconds: both processes read the same
+(the metrics, the dashboard's history), and hands each step's items to the event loop with one
+call_soon_threadsafe, where each request's group adds its deltas up. Stamps cross as monotonic seconds: both processes read the same
 clock, so the split clock is exact.
 
 If the engine process dies, every open stream ends with an error event (not a hang), /health says so, and
@@ -47,12 +47,10 @@ from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
 from twospeed.server.events import EndedSequence, EngineEvent, FinishEvent, Listener, tell
 from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec, StreamItem, deliver_items
-from twospeed.server.wire import Assembler, Delta, Encoder, TimeBase
 from twospeed.server.workers import resolve_future
 
 log = logging.getLogger(__name__)
 
-SAME_CLOCK = 0.0  # TimeBase offset: stamps cross as monotonic seconds (one host, one clock)
 
 
 @dataclass(slots=True)
@@ -77,13 +75,13 @@ class Outbox:
 
     added: list[tuple[int, int, tuple | None]] = field(default_factory=list)  # (token, count, error) per add
     events: list[EngineEvent] = field(default_factory=list)  # in the order the listeners heard them
-    deltas: list[Delta] = field(default_factory=list)
+    items: list[StreamItem] = field(default_factory=list)  # the step's deltas, in the order they happened
     num_waiting: int = 0
     num_running: int = 0
     cost_profile: dict | None = None  # the step cost model's coefficients, at most every COST_EVERY seconds
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.events or self.deltas)
+        return bool(self.added or self.events or self.items)
 
 
 def _error_info(error: BaseException | None) -> tuple | None:
@@ -106,12 +104,11 @@ class _PipeSink:
     def __init__(self, conn, loop: EngineLoop | None = None):
         self.conn = conn
         self.loop = loop
-        self.encoder = Encoder(TimeBase(SAME_CLOCK))
         self.box = Outbox()
         self.costs_sent, self.costs_observed = time.monotonic(), 0  # the ready message carried the first snapshot
 
     def deliver(self, batch: list[tuple[EngineGroup, StreamItem]]) -> None:
-        self.box.deltas += [self.encoder.delta(item) for _, item in batch]
+        self.box.items += [item for _, item in batch]
 
     def added(self, token: int, count: int, error: BaseException | None) -> None:
         self.box.added.append((token, count, _error_info(error)))
@@ -217,12 +214,6 @@ def _picklable(e: BaseException) -> bool:
 
 
 # -- the server's side -------------------------------------------------------------------------------------
-@dataclass(slots=True, eq=False)
-class _Open:
-    group: RequestGroup
-    assembler: Assembler
-
-
 class ProcessEngine:
     """EngineClient (server/engine_client.py) over an engine process."""
 
@@ -232,10 +223,9 @@ class ProcessEngine:
         self.nice = nice  # added to the engine process's niceness (ServerConfig.engine_nice)
         self._judge = judge
         self.listeners: list[Listener] = list(listeners)  # called on the reader thread, in the engine's order
-        self._base = TimeBase(SAME_CLOCK)
         self._tokens = itertools.count()
         self._adds: dict[int, asyncio.Future] = {}
-        self._open: dict[str, _Open] = {}  # request id -> its group, until its last item
+        self._open: dict[str, RequestGroup] = {}  # request id -> its group, until its last item
         self._lock = threading.Lock()  # the command pipe and the tables above
         self._pending = 0  # sequences sent, not yet added
         self._num_waiting = self._num_running = 0
@@ -312,9 +302,8 @@ class ProcessEngine:
             if self._exited:
                 raise _gone(self._proc)
             self._adds[token] = future
-            assembler = Assembler(group.specs, group.arrival_time, self._base)
             for spec in group.specs:
-                self._open[spec.request_id] = _Open(group, assembler)
+                self._open[spec.request_id] = group
             self._pending += len(group.specs)
             self._send_locked(("add", sent, token))
         try:
@@ -386,15 +375,14 @@ class ProcessEngine:
             tell(self.listeners, event)
         batch = []
         with self._lock:
-            for d in box.deltas:
-                entry = self._open.get(d.request_id)
-                if entry is None:
+            for item in box.items:
+                group = self._open.get(item.request_id)
+                if group is None:
                     continue
-                item = entry.assembler.item(d)
                 if item.finished:
-                    item.verdict = verdicts.get(d.request_id)
-                    del self._open[d.request_id]
-                batch.append((entry.group, item))
+                    item.verdict = verdicts.get(item.request_id)
+                    del self._open[item.request_id]
+                batch.append((group, item))
         if batch:
             self._loop.call_soon_threadsafe(deliver_items, batch)
 
@@ -410,8 +398,7 @@ class ProcessEngine:
             self._loop.call_soon_threadsafe(resolve_future, self._ready, RuntimeError(why), None)
         for future in adds:
             self._loop.call_soon_threadsafe(resolve_future, future, _gone(self._proc), None)
-        batch = [(entry.group, StreamItem(rid, _choice(entry.group, rid), None, [], error=EngineError(why)))
-                 for rid, entry in open_]
+        batch = [(group, StreamItem(rid, _choice(group, rid), None, error=EngineError(why))) for rid, group in open_]
         if batch:
             self._loop.call_soon_threadsafe(deliver_items, batch)
 

@@ -1,5 +1,9 @@
 """RequestGroup: the sequences of one HTTP request (a choice each: prompt i, sample j), and the StreamItems that
 arrive for them on the group's asyncio queue, whichever engine (a thread, a process, a replica) produced them.
+
+An item carries its sequence's RequestDelta (engine/outputs.py): only what one step changed. The group adds the
+deltas up as its reader takes them (`next`), so a streamed choice costs what its delta holds, and a sequence's
+last item comes with the whole RequestOutput, built once.
 """
 
 from __future__ import annotations
@@ -7,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from twospeed.engine.outputs import RequestDelta, SequenceOutput
 from twospeed.engine.request import RequestOutput
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.server.slo import Verdict
@@ -26,15 +31,15 @@ class SequenceSpec:
 class StreamItem:
     request_id: str
     index: int  # choice index
-    output: RequestOutput | None  # None when the sequence was aborted
-    token_times: list[float]  # monotonic emission time of each of output.new_token_ids
+    delta: RequestDelta | None  # what the step changed (token times in this process's monotonic clock); None: aborted
     verdict: Verdict | None = None  # set on the sequence's last item
     error: BaseException | None = None  # the engine failed this sequence
     ends_group: bool = False  # the event loop closed the whole group (RequestGroup.close)
+    output: RequestOutput | None = None  # the whole output: set by RequestGroup.next on the sequence's last item
 
     @property
     def finished(self) -> bool:
-        return self.output is None or self.error is not None or self.output.finished
+        return self.delta is None or self.error is not None or self.delta.finished
 
 
 class EngineError(RuntimeError):
@@ -59,19 +64,35 @@ class RequestGroup:
     unfinished: set[str] = field(default_factory=set)
     routed_time: float | None = None  # behind a router: arrival at this replica (arrival_time is at the router)
     replica: str | None = None  # behind a router: the replica serving it (the x-twospeed-replica header)
+    assemble: bool = True  # add the deltas up (False: a replica passing them on to its ingress as they come)
+    seqs: dict[str, SequenceOutput] = field(default_factory=dict)  # request id -> its deltas so far
+
+    def __post_init__(self) -> None:
+        if self.assemble:
+            self.seqs = {s.request_id: SequenceOutput(s.request_id, s.prompt_token_ids, s.params.logprobs is not None)
+                         for s in self.specs}
 
     async def next(self) -> StreamItem:
-        item = await self.queue.get()
+        return self.take(await self.queue.get())
+
+    def take(self, item: StreamItem) -> StreamItem:
+        """Account for an item read off the queue: the sequence it ends, the delta it adds (and on a sequence's
+        last item, its whole output)."""
         if item.ends_group:
             self.unfinished.clear()
         elif item.finished:
             self.unfinished.discard(item.request_id)
+        seq = self.seqs.get(item.request_id)
+        if seq is not None and item.delta is not None:
+            seq.add(item.delta)
+            if item.delta.finished:
+                item.output = seq.output()
         return item
 
     def close(self, error: BaseException) -> None:
         """End the group from the event loop now (shutdown): its reader's next item carries `error`. The engine
         side is aborted separately (AsyncEngine.abort)."""
-        self.queue.put_nowait(StreamItem("", -1, None, [], error=error, ends_group=True))
+        self.queue.put_nowait(StreamItem("", -1, None, error=error, ends_group=True))
 
     @property
     def done(self) -> bool:

@@ -38,7 +38,7 @@ async def models(state: State):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created, "owned_by": "twospeed",
         "root": state.engine.config.model, "max_model_len": state.engine.max_model_len,
-        "twospeed": dataclasses.asdict(state.memory)}]}  # weight and KV formats, block size, KV bytes per token
+        "twospeed": dataclasses.asdict(state.memory)}]}  # compute and checkpoint dtypes, weight and KV formats, pool
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -90,16 +90,16 @@ class _CompletionDelta:
         self.offsets: dict[int, int] = {}
 
     def __call__(self, item: StreamItem) -> dict:
-        out, body = item.output, self.body
-        k = len(out.new_token_ids)
-        choice = {"index": item.index, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason,
-                  "stop_reason": out.stop_reason}
-        if body.logprobs is not None and k:
+        delta, body = item.delta, self.body
+        finish = delta.finish
+        choice = {"index": item.index, "text": delta.new_text, "logprobs": None,
+                  "finish_reason": finish and finish.reason, "stop_reason": finish and finish.stop_reason}
+        if body.logprobs is not None and delta.new_logprobs:
             offset = self.offsets.get(item.index, 0)
-            choice["logprobs"] = completion_logprobs(self.state.token_text, (out.logprobs or [])[-k:], offset)
+            choice["logprobs"] = completion_logprobs(self.state.token_text, delta.new_logprobs, offset)
             self.offsets[item.index] = offset + sum(len(t) for t in choice["logprobs"]["tokens"])
         if body.return_token_ids:
-            choice["token_ids"] = list(out.new_token_ids)
+            choice["token_ids"] = list(delta.new_token_ids)
         return choice
 
 
@@ -154,25 +154,33 @@ class _ChatDelta:
         self.state, self.body = state, body
         self.top_n = _top_logprobs(body)
         self.held: set[int] = set()
+        self.started: set[int] = set()  # choices whose text has begun (a tool call begins with "{")
 
     def __call__(self, item: StreamItem) -> dict:
-        out, body = item.output, self.body
-        k = len(out.new_token_ids)
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-        finish = out.finish_reason
-        if body.tool_mode != "none" and (item.index in self.held or out.text[:1] == "{"):
+        out, body = item.delta, self.body
+        end = out.finish
+        delta = {"content": out.new_text} if out.new_text or end is None else {}
+        finish = end and end.reason
+        if body.tool_mode != "none" and (item.index in self.held or self._begins_call(item.index, out.new_text)):
             self.held.add(item.index)
             delta = {}
-            if out.finished:
-                call, finish = _tool_call(body, out.text, finish)
-                delta = {"tool_calls": [tool_call_json(call, 0)]} if call is not None else {"content": out.text}
+            if end is not None:
+                call, finish = _tool_call(body, end.text, finish)
+                delta = {"tool_calls": [tool_call_json(call, 0)]} if call is not None else {"content": end.text}
         choice = {"index": item.index, "delta": delta, "logprobs": None, "finish_reason": finish,
-                  "stop_reason": out.stop_reason}
-        if self.top_n is not None and k:
-            choice["logprobs"] = chat_logprobs(self.state.token_text, (out.logprobs or [])[-k:], self.top_n)
+                  "stop_reason": end and end.stop_reason}
+        if self.top_n is not None and out.new_logprobs:
+            choice["logprobs"] = chat_logprobs(self.state.token_text, out.new_logprobs, self.top_n)
         if body.return_token_ids:
             choice["token_ids"] = list(out.new_token_ids)
         return choice
+
+    def _begins_call(self, index: int, new_text: str) -> bool:
+        """The choice's text starts with "{" (decided by its first text, whichever delta brings it)."""
+        if index in self.started or not new_text:
+            return False
+        self.started.add(index)
+        return new_text[0] == "{"
 
 
 def _tool_call(body: ChatCompletionRequest, text: str, finish: str | None) -> tuple[dict | None, str | None]:

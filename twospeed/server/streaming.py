@@ -33,9 +33,9 @@ def sse(obj: dict | str) -> str:
 
 def chunk_twospeed(state: ServerState, item: StreamItem) -> dict:
     """A streamed chunk's twospeed object: its token count and emission times; the clock and bill at the end."""
-    ts = {"num_tokens": len(item.output.new_token_ids),
-          "emit_times": [round(state.to_unix(t), 6) for t in item.token_times]}
-    if item.output.finished:
+    ts = {"num_tokens": len(item.delta.new_token_ids),
+          "emit_times": [round(state.to_unix(t), 6) for t in item.delta.token_times]}
+    if item.output is not None:
         ts.update(sequence_twospeed(item))
     return ts
 
@@ -50,12 +50,12 @@ async def stream_events(state: ServerState, group: RequestGroup, base: dict, ope
     finals = []
     while not group.done:
         item = await group.next()
-        if item.error is not None or item.output is None:
+        if item.error is not None or item.delta is None:
             e = _item_error(item)
             yield sse(error_body(e.message, e.type))
             break
         yield sse({**base, "choices": [choice(item)], "twospeed": chunk_twospeed(state, item)})
-        if item.output.finished:
+        if item.output is not None:
             finals.append(item)
     else:
         if include_usage and finals:
@@ -86,11 +86,10 @@ async def collect(state: ServerState, group: RequestGroup, request: Request) -> 
             item = await group.queue.get()
             if isinstance(item, _ClientGone):
                 raise APIError(499, "client closed the request", "client_closed")
-            if item.finished:
-                group.unfinished.discard(item.request_id)
-            if item.error is not None or item.output is None:
+            group.take(item)
+            if item.error is not None or item.delta is None:
                 raise _item_error(item)
-            if item.finished:
+            if item.output is not None:
                 finals[item.index] = item
         return [finals[i] for i in sorted(finals)]
     finally:
