@@ -18,8 +18,9 @@ from torch import nn
 from conftest import ARCH_CONFIGS, needs_kernel, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
-from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, WIDEN_MAX_ROWS, PackedLinear, can_use_onednn, has_amx,
-                                          linear_kernel, onednn_rows, resolve_linear_backend, widen_kernel)
+from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, TILES_MAX_ROWS, TILES_MIN_ROWS, WIDEN_MAX_ROWS,
+                                          PackedLinear, amx_kernel, can_use_onednn, has_amx, linear_kernel,
+                                          onednn_rows, resolve_linear_backend, widen_kernel)
 
 needs_onednn = pytest.mark.skipif(not can_use_onednn("cpu", torch.bfloat16), reason="no oneDNN bf16 kernels here")
 needs_linear_kernel = needs_kernel(linear_kernel, "linear_bf16")
@@ -87,10 +88,30 @@ def test_amx_cpus_send_many_rows_to_onednn_and_few_to_the_kernel():
     assert (packed.packed.wide is not None) == (has_amx() and can_use_onednn("cpu", torch.bfloat16))
     if packed.packed.wide is None:
         pytest.skip("no AMX here: the kernel takes every row count")
-    few, many = (torch.randn(n, 64, dtype=torch.bfloat16) for n in (AMX_KERNEL_MAX_ROWS, AMX_KERNEL_MAX_ROWS + 1))
+    tiles = packed.packed.tiles is not None
+    top = TILES_MAX_ROWS if tiles else AMX_KERNEL_MAX_ROWS
+    few, many = (torch.randn(n, 64, dtype=torch.bfloat16) for n in (TILES_MIN_ROWS - 1, top + 1))
     assert torch.equal(packed(few), packed.packed.kernel(few, None))
     onednn = PackedLinear.from_linear(lin, "onednn")
     assert torch.equal(packed(many), onednn(many))
+    if tiles:  # batched decode rows take the AMX kernel
+        mid = torch.randn(TILES_MIN_ROWS + 3, 64, dtype=torch.bfloat16)
+        assert torch.equal(packed(mid), packed.packed.amx(mid, None))
+
+
+@pytest.mark.skipif(amx_kernel() is None, reason="no AMX kernel here (AMX, a compiler for it, the tile state)")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("shape,bias", [((64, 130), True), ((96, 64), False), ((2048, 96), True)])
+def test_amx_kernel_is_exact_up_to_one_bf16_rounding(rows, shape, bias):
+    """The AMX kernel against float64, at row counts inside and across its 16-row tiles and 32-row chunks, output
+    widths that end mid-block, with and without bias, from a strided row view."""
+    lin, x = bf16_linear(shape, bias, rows, rows)
+    packed = PackedLinear.from_linear(lin, "cpu").packed
+    y = packed.amx(x, lin.bias)
+    assert y.shape == (rows, shape[1]) and within_one_rounding(y, x, lin)
+    assert torch.equal(packed.amx(x[-1:], lin.bias), y[-1:])  # rows are independent
+    wide = torch.cat([x, torch.zeros(rows, 6, dtype=x.dtype)], dim=1)[:, :shape[0]]
+    assert torch.equal(packed.amx(wide, lin.bias), y)
 
 
 def test_backend_names_are_checked():

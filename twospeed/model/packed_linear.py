@@ -9,8 +9,9 @@ same `forward(x, bias)`:
   1.2-1.8x at 4-8 rows, 1.0-1.1x at 32-2048 rows (BENCHMARKS.md). Float32 accumulation, one rounding to bf16 per
   output, as oneDNN; the sums run in another order, so results can differ from `F.linear` by one bf16 rounding
   step. On CPUs with AMX (Sapphire Rapids and later) oneDNN's AMX tiles beat the kernel from a few rows up
-  (2-10x at 8-64 rows, single thread), so there it also keeps oneDNN's packing of the same weight and sends
-  steps of more than `AMX_KERNEL_MAX_ROWS` rows (prefill chunks, wide decode batches) to it: twice the weight
+  (2-10x at 8-64 rows, single thread). There the same packed weight also feeds csrc/linear_amx.c, whose AMX
+  tiles read it in the same layout: batched decode steps (up to `TILES_MAX_ROWS` rows) at memory speed. It
+  also keeps oneDNN's packing of the same weight for steps of more rows (prefill chunks): twice the weight
   memory, no extra bytes read per step.
 - "onednn" (`OneDnnPacking`): oneDNN's blocked layout (`F.linear` on a plain bf16 weight reorders it on every
   call). On Zen 4 bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
@@ -41,11 +42,14 @@ from twospeed.model import formats
 from twospeed.model.cbuild import load_library
 from twospeed.model.weight_format import FormatLinear, WeightFormat, copy_checked
 
-# On AMX CPUs, rows up to this many take the C kernel, more take oneDNN's AMX path. oneDNN/kernel time over
-# the ~100M Llama's five linear shapes (one layer + lm_head), oneDNN packed wide (packing_rows_hint), two threads
-# on Sapphire Rapids: 1.78 at 1 row, 1.50 at 4-5, 1.35 at 6, 1.09-1.11 at 8, 0.97 at 10, 0.64-0.70 at 12-24;
-# one thread: 1.00 at 8, 0.80 at 10 (BENCHMARKS.md).
+# On AMX CPUs, rows TILES_MIN_ROWS..TILES_MAX_ROWS take the AMX kernel (csrc/linear_amx.c), fewer the AVX-512
+# kernel, more oneDNN's AMX path. The ~100M Llama's five linear shapes (one layer + lm_head), two threads on a
+# Sapphire Rapids-class Xeon, ms (AVX-512 kernel / AMX kernel / oneDNN): 4 rows 2.6 / 3.3 / 4.4, 8 rows
+# 5.5 / 3.1 / 5.4, 16 rows 10.1 / 3.2 / 3.7, 32 rows 15.4 / 2.9 / 8.1, 48 rows 28.0 / 7.2 / 8.0, 64 rows
+# 35.8 / 7.5 / 7.0 (BENCHMARKS.md). Without the AMX kernel, the AVX-512 kernel takes up to AMX_KERNEL_MAX_ROWS
+# (oneDNN/kernel time 1.78 at 1 row, 1.09-1.11 at 8, 0.64-0.70 at 12-24).
 AMX_KERNEL_MAX_ROWS = 8
+TILES_MIN_ROWS, TILES_MAX_ROWS = 5, 32
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -63,6 +67,19 @@ def can_use_onednn(device: torch.device | str, dtype: torch.dtype) -> bool:
     """oneDNN bf16 kernels exist for this CPU (AVX-512 BF16 / AMX, or their emulation on AVX-512)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+@lru_cache(maxsize=1)
+def amx_kernel() -> ctypes.CDLL | None:
+    """csrc/linear_amx.c, built on first use; None without AMX (or a compiler for it), or where Linux refuses
+    this process the tile state."""
+    if not has_amx():
+        return None
+    lib = load_library("linear_amx", {"linear_amx": [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I]})
+    if lib is None:
+        return None
+    lib.linear_amx_init.restype = ctypes.c_int
+    return lib if lib.linear_amx_init() == 0 else None
 
 
 @lru_cache(maxsize=1)
@@ -147,11 +164,17 @@ class KernelPacking:
         lib.linear_bf16_pack(w.data_ptr(), self.weight.data_ptr(), self.out_features, self.in_features,
                              torch.get_num_threads())
         self.wide = OneDnnPacking(w) if has_amx() and can_use_onednn(w.device, w.dtype) else None
+        self.tiles = amx_kernel() if self.wide is not None and self.in_features % 32 == 0 else None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.wide is not None and x.numel() > AMX_KERNEL_MAX_ROWS * self.in_features:
-            return self.wide.forward(x, bias)
-        return self.kernel(x, bias)
+        if self.wide is None:
+            return self.kernel(x, bias)
+        rows = x.numel() // self.in_features
+        if self.tiles is not None and TILES_MIN_ROWS <= rows <= TILES_MAX_ROWS:
+            return self.amx(x, bias)
+        if rows <= AMX_KERNEL_MAX_ROWS:
+            return self.kernel(x, bias)
+        return self.wide.forward(x, bias)
 
     def kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The C kernel at any row count."""
@@ -162,6 +185,17 @@ class KernelPacking:
             linear_kernel().linear_bf16(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(),
                                         None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
                                         x2.shape[0], self.out_features, self.in_features, torch.get_num_threads())
+        return y.view(*lead, self.out_features)
+
+    def amx(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The AMX kernel (same packed weight) at any row count."""
+        lead = x.shape[:-1]
+        x2 = rows_2d(x, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if x2.shape[0]:
+            self.tiles.linear_amx(x2.data_ptr(), x2.stride(0), self.weight.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                                  x2.shape[0], self.out_features, self.in_features, torch.get_num_threads())
         return y.view(*lead, self.out_features)
 
 
