@@ -51,7 +51,10 @@ ENGINE_SETUPS = {
     "no-prefix-cache": dict(max_num_batched_tokens=13, enable_prefix_caching=False),
     "one-at-a-time": dict(max_num_seqs=1, max_num_batched_tokens=32),
     # time-sized prompt share, strictly: a target no step can meet, so beside decodes a prompt advances one block a step
-    "time-one-block": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6, min_prompt_share=0.0),
+    "time-one-block": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6, min_prompt_share=0.0,
+                           ttft_target_ms=None),
+    # queued prompts put TTFT at risk at once (a 1 ms pace): steps grow to max_step_ms beside decodes
+    "time-queue": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=1e-6, ttft_target_ms=1e-3),
     # the default target with the probe's fit: binding or not as this machine's step times fall
     "time-default": dict(max_num_batched_tokens=64, block_size=4, target_step_ms=50.0),
 }

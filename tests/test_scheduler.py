@@ -55,7 +55,8 @@ class Sim:
         self.t = 0.0
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, caching)
-        self.cfg = SchedulerConfig(**sched)
+        # the sim's clock runs a second a step: the queue's TTFT pace is off unless a test asks for it
+        self.cfg = SchedulerConfig(**{"ttft_target_ms": None, **sched})
         self.cost = cost_model
         self.sched = Scheduler(self.cfg, self.kv, clock=lambda: self.t, cost_model=cost_model)
         self.slots: dict[int, list] = {i: [None] * block_size for i in range(num_blocks)}
@@ -160,6 +161,8 @@ class Sim:
         target = max(target, self.cost.predict(StepShape.from_chunks(decodes)) / (1 - self.cfg.min_prompt_share))
         if out.preempted:  # a preempted stream's decode was counted when the share was sized: it only loosens
             target = max(target, out.target_time or 0.0)
+        if self.cfg.ttft_target_ms:  # queued prompts may grow the step up to the decodes' ITL cap
+            target = max(target, self.sched.step_cap([c.request for c in decodes]))
         predicted = self.cost.predict(StepShape.from_chunks(out.chunks))
         prompts = [c for c in out.chunks if not c.is_decode]
         one_block = len(prompts) == 1 and prompts[0].num_tokens <= self.bs
@@ -289,6 +292,50 @@ def test_prompt_share_sized_by_time_beside_decodes():
     out = alone.step()
     assert chunks(out) == [("long", 0, 40)] and out.predicted_time == pytest.approx(0.041)  # nobody waits on it
     assert out.prefill_budget == 64 and not out.time_bound
+
+
+def test_queued_prompts_grow_the_step_up_to_the_itl_cap():
+    """FakeCost (1 ms a step and a token), a 10 ms target, TTFT pace 40 ms (the sim's clock runs 1 s a step, so a
+    queued prompt is late from its first step): beside a stream without an ITL objective, a late 40-token prompt
+    takes the step up to max_step_ms (30 ms: 28 prompt tokens, whole blocks) instead of the target's 8; beside a
+    stream whose lane has a 20 ms ITL objective (x 0.8), up to 16 ms. A queue that keeps its pace leaves the target
+    as it is."""
+    def late_prompt(itl_target=None, **cfg) -> tuple[Sim, SchedulerOutput]:
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, **{"target_step_ms": 10,
+                  "ttft_target_ms": 40, "max_step_ms": 30, **cfg})
+        sim.add("chat", [5, 6, 7], 20).itl_target = itl_target
+        sim.step()
+        sim.add("long", list(range(30, 70)), 2).clock.arrival = sim.t - 5.0  # waited 5 s already
+        return sim, sim.step()
+
+    sim, out = late_prompt()
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 28)]
+    assert out.target_time == pytest.approx(0.030) and out.predicted_time == pytest.approx(0.030)
+    sim.run()
+    _, out = late_prompt(itl_target=0.020)
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 12)] and out.target_time == pytest.approx(0.016)
+    _, out = late_prompt(ttft_target_ms=None)  # the pace off: the step target alone
+    assert chunks(out) == [("chat", 3, 1), ("long", 0, 8)] and out.target_time == pytest.approx(0.010)
+
+    on_time = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=10, ttft_target_ms=1e6)
+    on_time.add("chat", [5, 6, 7], 20)
+    on_time.step()
+    on_time.add("long", list(range(30, 70)), 2)
+    assert chunks(on_time.step()) == [("chat", 3, 1), ("long", 0, 8)]  # 40 tokens due in 1000 s: no hurry
+
+
+def test_the_queue_pace_counts_cached_prefixes_and_computed_chunks():
+    """queued_prefill_rate: tokens still to compute ahead of and including each queued prompt, over the time it
+    has left; a cached prefix and a computed chunk are not work; a lookup ahead is not a prefix-cache query."""
+    sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=8, target_step_ms=10, ttft_target_ms=2000)
+    sim.add("warm", list(range(10, 27)), 1)
+    sim.run()  # its 16 full-block tokens stay cached
+    t = sim.t
+    sim.add("a", list(range(10, 27)) + [99], 1).clock.arrival = t - 1.0  # 16 cached: 2 to compute, 1 s left
+    sim.add("b", list(range(40, 50)), 1).clock.arrival = t  # 10 more: 12 due in 2 s
+    queries = sim.kv.prefix_cache_queries
+    assert sim.sched.queued_prefill_rate() == pytest.approx(max(2 / 1.0, 12 / 2.0))
+    assert sim.kv.prefix_cache_queries == queries
 
 
 def test_one_block_goes_in_where_none_fits():

@@ -130,6 +130,14 @@ class SchedulerConfig:
     # machine): the step may then take (decodes' predicted time) / (1 - share), so prompts still advance at a
     # fair rate and their TTFT does not explode under load. 0: the target strictly (then one block a step).
     min_prompt_share: float = 0.5
+    # Time to first token the scheduler aims at for every prompt, in milliseconds: when the prompts queued (waiting
+    # or part-computed) cannot each finish by its arrival + this at the step target's prompt share, the share grows:
+    # the step takes as many prompt tokens as the queue needs to keep that pace, up to what the decoding streams'
+    # ITL objectives allow (x itl_objective_share) and, for streams without one, up to `max_step_ms`. vLLM fills
+    # every step with prompt tokens to the budget; this grows them only where TTFT is at risk. None or 0: off.
+    ttft_target_ms: float | None = 1000.0
+    # The longest a step may grow to for queued prompts beside streams whose lane has no ITL objective (ms).
+    max_step_ms: float = 250.0
     # A waiting prompt whose whole (uncached) rest fits a step goes before a long prompt being chunked and before
     # earlier long ones waiting (of its priority or lower): its TTFT is a step, not the long prompt's whole prefill.
     # False: strictly in policy order, as vLLM and SGLang admit.
@@ -153,6 +161,10 @@ class SchedulerConfig:
             raise ValueError(f"itl_objective_share must be in [0, 1], got {self.itl_objective_share}")
         if not 0 <= self.min_prompt_share < 1:
             raise ValueError(f"min_prompt_share must be in [0, 1), got {self.min_prompt_share}")
+        if self.ttft_target_ms is not None and not self.ttft_target_ms >= 0:
+            raise ValueError(f"ttft_target_ms must be >= 0 (or None), got {self.ttft_target_ms}")
+        if not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be > 0, got {self.max_step_ms}")
 
     @property
     def target_step_time(self) -> float | None:

@@ -190,6 +190,16 @@ class KVCacheManager:
         prompt token is always computed (its logits are sampled). Takes no references.
         hashes: the chain's hashes of these tokens found so far (Request.block_hashes), reused and extended.
         """
+        found = self._match(token_ids, hashes)
+        self.prefix_cache_queries += len(token_ids)
+        self.prefix_cache_hits += len(found) * self.block_size
+        return found
+
+    def cached_prefix_len(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> int:
+        """Tokens find_cached_prefix would find now, not counted as a lookup (the scheduler looking ahead)."""
+        return len(self._match(token_ids, hashes)) * self.block_size
+
+    def _match(self, token_ids: Sequence[int], hashes: list[bytes] | None) -> list[KVBlock]:
         if not self.enable_caching:
             return []
         bs = self.block_size
@@ -206,8 +216,6 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += len(found) * bs
         return found
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[KVBlock] = ()) -> bool:

@@ -32,6 +32,8 @@ class PromptShare:
         self.decoding = [c.request for c in decodes]
         self.decode_shape = self.shape = StepShape.from_chunks(decodes)
         self.target = self._effective(sched.step_target(self.decoding))
+        if self.target is not None:
+            self.target = max(self.target, self._for_queue(sched.queued_prefill_rate()))
         self.prefill_tokens = 0  # placed this step
         self.time_bound = False  # the target cut or refused a chunk
         self.allowance = self.room(budget)
@@ -82,6 +84,23 @@ class PromptShare:
         if target is None or not share:
             return target
         return max(target, self.sched.cost_model.predict(self.decode_shape) / (1 - share))
+
+    def _for_queue(self, rate: float) -> float:
+        """The step time at which prompt tokens go at `rate` tokens/s beside this step's decodes, within the ITL
+        cap: d + p x with x / (d + p x) = rate, d the decodes' time and p a prompt token's (from the cost model);
+        the cap where no step is long enough (p * rate >= 1)."""
+        if rate <= 0:
+            return 0.0
+        cap = self.sched.step_cap(self.decoding)
+        model = self.sched.cost_model
+        d = model.predict(self.decode_shape)
+        probe = 512
+        p = (model.predict(self.decode_shape.with_chunk(0, probe, False, True)) - d) / probe
+        if p <= 0:
+            return cap
+        if p * rate >= 1:
+            return cap
+        return min(cap, d + p * rate * d / (1 - p * rate))
 
     def _within(self, start: int, n: int, is_decode: bool, req: Request, target: float) -> bool:
         """The step with this chunk added is predicted within target (a part in 1e9 spared for float rounding)."""

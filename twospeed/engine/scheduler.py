@@ -290,6 +290,32 @@ class Scheduler:
         target = min((t for t in own if t is not None), default=None)
         return None if target is None or math.isinf(target) else target
 
+    def step_cap(self, decoding: list[Request]) -> float:
+        """Seconds a step may grow to for queued prompts: the tightest ITL objective of the decoding requests
+        (x itl_objective_share), else max_step_ms."""
+        share = self.cfg.itl_objective_share
+        own = [r.itl_target * share for r in decoding
+               if r.itl_target is not None and not math.isinf(r.itl_target) and share > 0]
+        return min(own, default=self.cfg.max_step_ms / 1e3)
+
+    def queued_prefill_rate(self) -> float:
+        """Prompt tokens per second that keep every queued prompt (part-computed, then waiting, in the order they
+        are served) within ttft_target_ms of its arrival: the largest tokens-ahead-and-its-own / time-it-has-left
+        over the queue. 0 when off or nothing is queued."""
+        horizon = (self.cfg.ttft_target_ms or 0) / 1e3
+        if not horizon or self.cost_model is None:
+            return 0.0
+        now = self.clock()
+        floor = self.cfg.target_step_time or 0.05  # a prompt already late asks for its tokens within about a step
+        rate, ahead = 0.0, 0
+        for req in [r for r in self.running if not in_decode(r)] + self.waiting[:QUEUE_SCAN]:
+            done = (req.num_computed_tokens if req.status == RequestStatus.RUNNING
+                    else self.kv.cached_prefix_len(req.all_token_ids, req.block_hashes))
+            ahead += max(0, req.num_tokens - done)
+            left = req.clock.arrival + horizon - now
+            rate = max(rate, ahead / max(left, floor))
+        return rate
+
     def _place(self, req: Request, room: int, scheduled: dict[str, ScheduledChunk],
                out: SchedulerOutput, drafts: bool = False) -> tuple[int, int]:
         """Schedule up to `room` tokens of running `req` (with drafts: its draft tokens after them, as many as fit),
@@ -355,6 +381,8 @@ class Scheduler:
 # Waiting requests looked at each step for a prompt short enough to go first (Scheduler._short_prompts): each look
 # hashes the prompt's cached blocks, so the scan is bounded.
 SHORT_PROMPT_SCAN = 16
+# Queued prompts looked at for the prefill pace a step must keep (Scheduler.queued_prefill_rate).
+QUEUE_SCAN = 64
 
 
 def in_decode(req: Request) -> bool:
