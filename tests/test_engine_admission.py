@@ -100,8 +100,9 @@ MODEL_RULES = [  # (prompt, SamplingParams kwargs, priority, the field named, wo
     ([5], {"stop_token_ids": [-1]}, 0, "stop_token_ids", "[0, 8192)"),
     ([5], {"logprobs": 8193}, 0, "logprobs", "8192"),
     ([5], {}, "high", "priority", "integer"),
-    ([5], {"structured": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, 0, None, "finite document"),
-    ([5], {"structured": {"type": "foo"}}, 0, None, "invalid JSON schema"),
+    ([5], {"structured": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}, 0, "structured",
+     "finite document"),
+    ([5], {"structured": {"type": "foo"}}, 0, "structured", "invalid JSON schema"),
 ]
 
 

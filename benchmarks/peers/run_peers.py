@@ -97,18 +97,19 @@ class LoadMonitor:
         return (user + nice + system + irq + softirq + steal) / self._hz
 
     def _ours_cpu(self) -> float:
-        """CPU seconds of this process and every descendant (servers, their workers)."""
+        """CPU seconds of this process and every descendant (servers, their workers), with what each one's ended
+        children used (cutime, cstime): a `twospeed bench` run that exited is not another process's load."""
         total, children = 0.0, {}
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:
                     stat = (d / "stat").read_text()
                     parts = stat[stat.rindex(")") + 2:].split()
-                    children.setdefault(int(parts[1]), []).append((int(d.name), int(parts[11]) + int(parts[12])))
+                    children.setdefault(int(parts[1]), []).append((int(d.name), sum(map(int, parts[11:15]))))
                 except (OSError, ValueError):
                     continue
         own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        total = int(own[11]) + int(own[12])
+        total = sum(map(int, own[11:15]))
         stack = [os.getpid()]
         while stack:
             for pid, ticks in children.get(stack.pop(), []):

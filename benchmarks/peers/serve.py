@@ -214,9 +214,9 @@ def serve(engine: str, dtype: str, settings: Settings = SETTINGS, port: int | No
 
 @contextlib.contextmanager
 def launch(engine: str, label: str, cmd: list[str], extra_env: dict[str, str], port: int, model: str,
-           settings: Settings = SETTINGS) -> Iterator[Server]:
-    """Run `cmd` (a server listening on `port`, answering to `model`) in its own process group, logged to
-    .work/logs/<engine>-<label>.log; wait until it is ready, yield it, always stop it."""
+           settings: Settings = SETTINGS, cwd: Path = ROOT) -> Iterator[Server]:
+    """Run `cmd` (a server listening on `port`, answering to `model`) in its own process group, from `cwd`, logged
+    to .work/logs/<engine>-<label>.log; wait until it is ready, yield it, always stop it."""
     log = WORK / "logs" / f"{engine}-{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     server = Server(engine, label, f"http://127.0.0.1:{port}", model, cmd, extra_env, log)
@@ -224,7 +224,7 @@ def launch(engine: str, label: str, cmd: list[str], extra_env: dict[str, str], p
         f.write(f"# {' '.join(f'{k}={v}' for k, v in extra_env.items())} {' '.join(cmd)}\n")
         f.flush()
         server.process = subprocess.Popen(cmd, env=os.environ | extra_env, stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
     try:
         wait_ready(server, settings.startup_timeout_s)
         yield server

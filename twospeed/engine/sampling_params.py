@@ -25,6 +25,9 @@ class InvalidParam(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole (the engine process sends it to the server as it was raised)
+        return type(self), (self.param, str(self))
+
 
 @dataclass(slots=True)
 class StructuredOutput:

@@ -28,7 +28,7 @@ import llguidance as llg
 import numpy as np
 
 from twospeed.engine.json_schema import SchemaProblem, check_schema
-from twospeed.engine.sampling_params import StructuredOutput
+from twospeed.engine.sampling_params import InvalidParam, StructuredOutput
 
 _GBNF_FIRST_RULE = re.compile(r"\s*(?:#[^\n]*\n\s*)*[A-Za-z][\w-]*\s*::=")
 
@@ -48,7 +48,8 @@ def warm_grammars(engine) -> None:
 def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> "GrammarCompiler":
     """The compiler an engine (or a server checking requests for one) builds over its tokenizer."""
     if tokenizer is None:
-        raise ValueError("structured output needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        raise InvalidParam("structured", "structured output needs a tokenizer (the engine was started with "
+                                         "skip_tokenizer_init)")
     return GrammarCompiler(tokenizer.backend.to_str(), vocab_size, eos_token_ids)
 
 
@@ -79,7 +80,8 @@ class GrammarCompiler:
                 check_schema(spec.json)  # cached: the server checked this very schema already
             except SchemaProblem as e:
                 where = "/".join(str(p) for p in e.path) or "(root)"
-                raise ValueError(f"invalid JSON schema at {where}: {e.detail or 'it ' + e.reason}") from None
+                raise InvalidParam("structured",
+                                   f"invalid JSON schema at {where}: {e.detail or 'it ' + e.reason}") from None
             return llg.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_DEFAULTS)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
@@ -92,7 +94,7 @@ class GrammarCompiler:
         try:
             return llg.grammar_from(fmt, spec.grammar)
         except ValueError as e:
-            raise ValueError(f"invalid grammar: {e}") from None
+            raise InvalidParam("structured", f"invalid grammar: {e}") from None
 
     def compile(self, spec: StructuredOutput) -> llg.LLMatcher:
         """A fresh matcher for spec (from the cache when its content was compiled before)."""
@@ -106,19 +108,21 @@ class GrammarCompiler:
             self.misses += 1
         try:
             grammar = self.grammar_text(spec)
-        except ValueError:
+        except InvalidParam:
             raise
         except Exception as e:  # whatever else the schema or grammar text makes the library raise
-            raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {e}") from None
+            raise InvalidParam("structured", f"structured output ({spec.kind}) cannot be compiled: {e}") from None
         try:
             proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         except Exception as e:  # llguidance raises for some malformed grammars instead of an error state
-            raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {e}") from None
+            raise InvalidParam("structured", f"structured output ({spec.kind}) cannot be compiled: {e}") from None
         if proto.is_error():
-            raise ValueError(f"structured output ({spec.kind}) cannot be compiled: {proto.get_error().strip()}")
+            raise InvalidParam("structured",
+                               f"structured output ({spec.kind}) cannot be compiled: {proto.get_error().strip()}")
         if spec.kind in ("json", "json_object") and proto.is_stopped():
             # Nothing but the empty text matches, and the empty text is no JSON document.
-            raise ValueError("structured output (json): invalid JSON schema at (root): it admits no document")
+            raise InvalidParam("structured",
+                               "structured output (json): invalid JSON schema at (root): it admits no document")
         with self._lock:
             self._cache[key] = proto
             if len(self._cache) > self.cache_size:

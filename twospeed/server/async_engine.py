@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from twospeed.server.engine_loop import EngineLoop, Judge
+from twospeed.server.engine_loop import AbortSequences, AddGroup, EngineLoop, Judge
 from twospeed.server.events import Listener
 from twospeed.server.request_group import RequestGroup, StreamItem, deliver_items
 from twospeed.server.workers import resolve_future
@@ -98,7 +98,7 @@ class AsyncEngine:
         group.unfinished = {s.request_id for s in group.specs}
         with self._lock:
             self._pending += len(group.specs)
-        self._core.submit("add", group, future)
+        self._core.submit(AddGroup(group, future))
         try:
             await future
         except asyncio.CancelledError:  # the client left while we waited: the thread may have added them
@@ -108,7 +108,7 @@ class AsyncEngine:
     def abort(self, group: RequestGroup) -> None:
         """Abort the group's unfinished sequences (thread-safe, idempotent); their KV blocks go back."""
         if group.unfinished:
-            self._core.submit("abort", list(group.unfinished))
+            self._core.submit(AbortSequences(list(group.unfinished)))
 
     # -- the Sink the loop writes to (engine thread) ----------------------------------------------
     def deliver(self, batch: list[tuple[RequestGroup, StreamItem]]) -> None:

@@ -43,6 +43,29 @@ log = logging.getLogger(__name__)
 Judge = Callable[[str, Request], Verdict | None]  # (lane, finished request) -> its SLO verdict
 
 
+@dataclass(slots=True)
+class AddGroup:
+    """Add every sequence of `group` or none; the sink's `added(token, ...)` answers."""
+
+    group: Any
+    token: Any
+
+
+@dataclass(slots=True)
+class AbortSequences:
+    """Abort these sequences (unknown or finished ones are skipped); their KV blocks go back."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class AbortAll:
+    """Abort every sequence in flight."""
+
+
+Command = AddGroup | AbortSequences | AbortAll
+
+
 def judge_safely(judge: Judge | None, lane: str, request, aborted: bool) -> Verdict | None:
     """A finished sequence's SLO verdict (None when aborted or nobody judges); a judge that raises is logged."""
     if aborted or judge is None:
@@ -91,14 +114,14 @@ class EngineLoop:
         self.step_failures = 0
 
     # -- any thread -----------------------------------------------------------------------------
-    def submit(self, *command) -> None:
-        """("add", group, token) | ("abort", [request ids]) | ("abort_all",): done before the next step."""
+    def submit(self, command: Command) -> None:
+        """Done before the next step."""
         self._commands.put(command)
         self._wake.set()
 
     def stop(self) -> None:
         """Abort what is left and return from run() (after the step in progress)."""
-        self._commands.put(("abort_all",))
+        self._commands.put(AbortAll())
         self._stop.set()
         self._wake.set()
 
@@ -130,15 +153,18 @@ class EngineLoop:
                 return changed
             changed = True
             try:
-                if cmd[0] == "add":
-                    self._add(cmd[1], cmd[2])
-                elif cmd[0] == "abort":
-                    batch = [self._abort(rid) for rid in cmd[1]]
-                    self._post([b for b in batch if b is not None])
-                elif cmd[0] == "abort_all":
-                    self._abort_all()
+                match cmd:
+                    case AddGroup(group, token):
+                        self._add(group, token)
+                    case AbortSequences(request_ids):
+                        batch = [self._abort(rid) for rid in request_ids]
+                        self._post([b for b in batch if b is not None])
+                    case AbortAll():
+                        self._abort_all()
+                    case _:
+                        raise TypeError(f"not an engine command: {cmd!r}")
             except Exception:  # never let one command end the loop
-                log.exception("engine command %s failed", cmd[0])
+                log.exception("engine command %s failed", type(cmd).__name__)
 
     def _add(self, group, token) -> None:
         added: list[str] = []

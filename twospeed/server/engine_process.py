@@ -7,18 +7,19 @@ held the GIL in half of the samples. vLLM (its EngineCore process) and SGLang (i
 same way.
 
 The engine process (`engine_main`, a fresh interpreter: no torch or OpenMP state is inherited) builds
-the LLMEngine, says `ready` with its facts (server/engine_view.py), then runs the EngineLoop on its main thread;
-a reader thread there turns the commands arriving on a pipe into the loop's commands (compiling a request's
-grammar first, so the loop finds it built). After each pass of the
-loop (a step, or a batch of commands) it sends one message: the adds it finished, the events its listeners
-heard (a FinishEvent carries an EndedSequence, not the Request) and the step's items, each with its request's
-RequestDelta (engine/outputs.py: only what is new, never the whole output again).
+the LLMEngine, says `Ready` with its facts (server/engine_view.py), then runs the EngineLoop on its main thread;
+a reader thread there passes the commands arriving on a pipe (the loop's own typed commands, and `StopEngine`)
+to the loop, compiling a request's grammar first, so the loop finds it built. After each pass of the loop (a
+step, or a batch of commands) it sends one `Outbox`: the adds it finished (`Added`, a refusal as the exception
+raised: InvalidParam keeps its field), the events its listeners heard (a FinishEvent carries an EndedSequence,
+not the Request) and the step's items, each with its request's RequestDelta (engine/outputs.py: only what is
+new, never the whole output again).
 
 This side (`ProcessEngine`, the EngineClient `twospeed serve` uses) sends commands from the event loop and reads
 the messages on a thread of its own: it judges each finished sequence (the lanes' SLOs), tells its listeners
 (the metrics, the dashboard's history), and hands each step's items to the event loop with one
-call_soon_threadsafe, where each request's group adds its deltas up. Stamps cross as monotonic seconds: both processes read the same
-clock, so the split clock is exact.
+call_soon_threadsafe, where each request's group adds its deltas up. Stamps cross as monotonic seconds: both
+processes read the same clock, so the split clock is exact.
 
 If the engine process dies, every open stream ends with an error event (not a hang), /health says so, and
 new requests get a 503. If this process dies, the engine process sees its command pipe close and exits.
@@ -41,8 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from twospeed.config import EngineConfig
-from twospeed.engine.sampling_params import InvalidParam
-from twospeed.server.engine_loop import EngineLoop, Judge, judge_safely
+from twospeed.server.engine_loop import AbortSequences, AddGroup, Command, EngineLoop, Judge, judge_safely
 from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
 from twospeed.server.events import EndedSequence, EngineEvent, FinishEvent, Listener, tell
@@ -70,10 +70,43 @@ COST_EVERY = 1.0  # seconds between the cost model's snapshots to the server (th
 
 
 @dataclass(slots=True)
+class StopEngine:
+    """The server's last command: abort what is left, say Stopped, exit."""
+
+
+@dataclass(slots=True)
+class Ready:
+    """The engine is built: its facts (limits, tokenizer folder, pool, start-up cost fit)."""
+
+    facts: EngineFacts
+
+
+@dataclass(slots=True)
+class StartFailed:
+    """The engine could not be built: why (the exception itself where it pickles)."""
+
+    error: BaseException
+
+
+@dataclass(slots=True)
+class Stopped:
+    """The engine process is done; nothing follows."""
+
+
+@dataclass(slots=True)
+class Added:
+    """An add command is done: all `count` sequences added (error None) or none (the error, as raised)."""
+
+    token: int
+    count: int
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
 class Outbox:
     """One message from the engine process: what one pass of its loop did."""
 
-    added: list[tuple[int, int, tuple | None]] = field(default_factory=list)  # (token, count, error) per add
+    added: list[Added] = field(default_factory=list)
     events: list[EngineEvent] = field(default_factory=list)  # in the order the listeners heard them
     items: list[StreamItem] = field(default_factory=list)  # the step's deltas, in the order they happened
     num_waiting: int = 0
@@ -82,19 +115,6 @@ class Outbox:
 
     def __bool__(self) -> bool:
         return bool(self.added or self.events or self.items)
-
-
-def _error_info(error: BaseException | None) -> tuple | None:
-    if error is None:
-        return None
-    return ("value" if isinstance(error, ValueError) else "runtime", str(error), getattr(error, "param", None))
-
-
-def _error(info: tuple) -> BaseException:
-    kind, message, param = info
-    if kind == "value":
-        return InvalidParam(param, message) if param is not None else ValueError(message)
-    return RuntimeError(message)
 
 
 # -- the engine process ------------------------------------------------------------------------------------
@@ -111,7 +131,7 @@ class _PipeSink:
         self.box.items += [item for _, item in batch]
 
     def added(self, token: int, count: int, error: BaseException | None) -> None:
-        self.box.added.append((token, count, _error_info(error)))
+        self.box.added.append(Added(token, count, _portable(error)))
 
     def listen(self, event: EngineEvent) -> None:
         if isinstance(event, FinishEvent):
@@ -124,7 +144,7 @@ class _PipeSink:
         box, self.box = self.box, Outbox()
         box.num_waiting, box.num_running = self.loop.num_waiting, self.loop.num_running
         self._attach_costs(box)
-        self.conn.send(("out", box))
+        self.conn.send(box)
 
     def _attach_costs(self, box: Outbox) -> None:
         """The cost model's snapshot, once it has learnt steps since the last one: every COST_EVERY seconds while
@@ -163,7 +183,7 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
         engine = LLMEngine(config)
         warm_grammars(engine)
     except BaseException as e:
-        results.send(("failed", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+        results.send(StartFailed(_portable(e)))
         return
     if engine.threads is not None:  # the server's work (HTTP, tokenizing) is this service's, not a co-tenant's
         engine.threads.count_as_own((server_pid,))
@@ -171,10 +191,10 @@ def engine_main(config: EngineConfig, commands, results, server_pid: int) -> Non
     sink = _PipeSink(results)
     loop = EngineLoop(engine, sink, listeners=[sink.listen])
     sink.loop = loop
-    results.send(("ready", EngineFacts.of(engine, "engine", uuid.uuid4().hex[:12], str(os.getpid()))))
+    results.send(Ready(EngineFacts.of(engine, "engine", uuid.uuid4().hex[:12], str(os.getpid()))))
     threading.Thread(target=_read_commands, args=(commands, loop), name="twospeed-commands", daemon=True).start()
     loop.run()
-    results.send(("stopped",))
+    results.send(Stopped())
 
 
 def _read_commands(commands, loop: EngineLoop) -> None:
@@ -184,12 +204,12 @@ def _read_commands(commands, loop: EngineLoop) -> None:
         except (EOFError, OSError):  # the server is gone
             loop.stop()
             return
-        if cmd[0] == "stop":
+        if isinstance(cmd, StopEngine):
             loop.stop()
             return
-        if cmd[0] == "add":
-            _compile(loop.engine, cmd[1])
-        loop.submit(*cmd)
+        if isinstance(cmd, AddGroup):
+            _compile(loop.engine, cmd.group)
+        loop.submit(cmd)
 
 
 def _compile(engine, group: EngineGroup) -> None:
@@ -203,14 +223,18 @@ def _compile(engine, group: EngineGroup) -> None:
             pass
 
 
-def _picklable(e: BaseException) -> bool:
+def _portable(e: BaseException | None) -> BaseException | None:
+    """The exception itself where it survives pickling (InvalidParam keeps its field), else a RuntimeError with its
+    type and message: what crosses the pipe is always an exception the server can raise."""
+    if e is None:
+        return None
     import pickle
 
     try:
         pickle.loads(pickle.dumps(e))
-        return True
+        return e
     except Exception:
-        return False
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 # -- the server's side -------------------------------------------------------------------------------------
@@ -271,7 +295,7 @@ class ProcessEngine:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the engine process and wait for it (killed past the timeout)."""
-        self._send(("stop",))
+        self._send(StopEngine())
         if self._proc is None:
             return
         try:
@@ -305,7 +329,7 @@ class ProcessEngine:
             for spec in group.specs:
                 self._open[spec.request_id] = group
             self._pending += len(group.specs)
-            self._send_locked(("add", sent, token))
+            self._send_locked(AddGroup(sent, token))
         try:
             await future
         except asyncio.CancelledError:  # the client left while we waited: the engine may have added them
@@ -314,13 +338,13 @@ class ProcessEngine:
 
     def abort(self, group: RequestGroup) -> None:
         if group.unfinished:
-            self._send(("abort", list(group.unfinished)))
+            self._send(AbortSequences(list(group.unfinished)))
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: Command | StopEngine) -> None:
         with self._lock:
             self._send_locked(command)
 
-    def _send_locked(self, command: tuple) -> None:
+    def _send_locked(self, command: Command | StopEngine) -> None:
         if self._commands is None or self._exited:
             return
         try:
@@ -332,15 +356,15 @@ class ProcessEngine:
     def _read(self, results) -> None:
         try:
             while True:
-                msg = results.recv()
-                if msg[0] == "out":
-                    self._receive(msg[1])
-                elif msg[0] == "ready":
-                    self._started(msg[1])
-                elif msg[0] == "failed":
-                    self._loop.call_soon_threadsafe(resolve_future, self._ready, msg[1], None)
-                elif msg[0] == "stopped":
-                    break
+                match results.recv():
+                    case Outbox() as box:
+                        self._receive(box)
+                    case Ready(facts):
+                        self._started(facts)
+                    case StartFailed(error):
+                        self._loop.call_soon_threadsafe(resolve_future, self._ready, error, None)
+                    case Stopped():
+                        break
         except (EOFError, OSError):
             pass
         except Exception:
@@ -362,9 +386,9 @@ class ProcessEngine:
         with self._lock:
             self._num_waiting, self._num_running = box.num_waiting, box.num_running
             resolved = []
-            for token, count, error in box.added:
-                self._pending -= count
-                resolved.append((self._adds.pop(token), None if error is None else _error(error)))
+            for done in box.added:
+                self._pending -= done.count
+                resolved.append((self._adds.pop(done.token), done.error))
         for future, error in resolved:
             self._loop.call_soon_threadsafe(resolve_future, future, error, None)
         verdicts = {}

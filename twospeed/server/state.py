@@ -158,13 +158,9 @@ class ServerState:
                              speculate=lane.speculate)
         try:
             await engine.add(group)
-        except ValueError as e:  # admission's InvalidParam names its field; a grammar that does not compile
-            message = str(e)
+        except ValueError as e:  # admission's InvalidParam names its field ("structured": the body's own name)
             param = getattr(e, "param", None)
-            if param == "structured" or param is None and ("structured output" in message or "grammar" in message
-                                                           or "JSON schema" in message):
-                param = body.structured_param
-            raise APIError(400, message, param=param) from None
+            raise APIError(400, str(e), param=body.structured_param if param == "structured" else param) from None
         except RuntimeError as e:
             raise APIError(400, f"the engine refused this request: {e}") from None
         self.open_groups.add(group)
