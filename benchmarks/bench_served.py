@@ -12,7 +12,8 @@ benchmarks/peers/serve.py's settings over HTTP on loopback and measured with the
   mixed   the lab's `mixed` workload (agent turns on a shared prefix, long RAG prompts, chat, nightly) through
           `twospeed bench` at two Poisson rates: per lane TTFT p50/p99, the chat lane's ITL p99 and max, out tok/s
 twospeed in-process (LLM.generate, the same shapes, max_num_seqs = N so N run at once as over HTTP) is measured
-in a subprocess beside each of its served runs: served / in-process is the serving path's own cost.
+in a subprocess after each served round, the server idle: served / in-process is the serving path's own cost
+(on two cores that includes the benchmark client's share of them, the same for every engine).
 --base serves a second twospeed from another source tree (before/after a change, same sitting). --rounds
 repeats b1/c8/c32 for every engine in turn (this VM's speed drifts; the table shows each engine's median).
 Never run it beside other work: two cores, every engine uses both.
@@ -113,15 +114,19 @@ def measure(label: str, engine: str, source: Path | None, cfg: RunConfig, args, 
                 result["conc"][str(level)].append(concurrent(server, cfg, tok, level)["output_tok_s"])
             print(f"  {label}: b1 {result['b1'][-1]['ttft_s'] * 1e3:.0f} ms / {result['b1'][-1]['decode_tok_s']:.1f}"
                   f" tok/s, " + ", ".join(f"c{c} {v[-1]:.0f}" for c, v in result["conc"].items() if v), flush=True)
+            if source is not None:  # paired with the served round (this VM's speed drifts between minutes)
+                result.setdefault("inprocess_rounds", []).append(inprocess(source, cfg))
+                print(f"  {label} in-process: {result['inprocess_rounds'][-1]}", flush=True)
         if engine != "llama" and not args.no_mixed:
             result["mixed"] = {}
             for rate in args.rates:
                 raw = lab_run(server, cfg, "mixed", args.mixed_requests, rate, scratch / f"{label}-mixed-{rate}", tok)
                 result["mixed"][str(rate)] = mixed_summary(raw)
                 print(f"  {label} mixed @ {rate}/s: {json.dumps(result['mixed'][str(rate)])[:400]}", flush=True)
-    if source is not None:
-        result["inprocess"] = inprocess(source, cfg)
-        print(f"  {label} in-process: {result['inprocess']}", flush=True)
+    ok = [r for r in result.get("inprocess_rounds", []) if "error" not in r]
+    if ok:
+        result["inprocess"] = {"b1": {k: med([r["b1"][k] for r in ok]) for k in ("ttft_s", "decode_tok_s")},
+                               **{str(c): med([r[str(c)] for r in ok]) for c in cfg.conc_levels}}
     return result
 
 

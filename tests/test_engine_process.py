@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 
 import pytest
 
@@ -208,3 +210,60 @@ def test_the_server_side_never_imports_torch(tmp_path):
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+class _Pipe:
+    """The engine process's result pipe, as bytes: what each message would cost to send."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+        self.last = None
+
+    def send(self, message) -> None:
+        self.sizes.append(len(pickle.dumps(message)))
+        self.last = message
+
+
+def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start():
+    """One 4,000-token stream through the engine process's loop and pipe sink, read by its RequestGroup as the
+    server does: the bytes each step sends and the Python memory each step allocates (engine emit, loop, sink,
+    pickling, the group's adding up) stay flat with length. Copying the whole output per step (as RequestOutput
+    and the old wire did) grows both by the output's size: 32 KB a step at the end here."""
+    from twospeed.server.engine_loop import AddGroup, EngineLoop
+    from twospeed.server.engine_process import _PipeSink
+
+    n = 4000
+    engine = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=300, max_model_len=n + 8, num_threads=1,
+                                                cost_probe=False))
+    pipe = _Pipe()
+    sink = _PipeSink(pipe)
+    loop = EngineLoop(engine, sink, listeners=[sink.listen])
+    sink.loop = loop
+    g = RequestGroup("default", 0, time.monotonic(), [SequenceSpec(
+        "long", [5, 6, 7], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2), 0)])
+    g.unfinished = {"long"}
+    loop.submit(AddGroup(g, 0))
+    loop._drain_commands()
+    sink.flush()
+    peaks = []
+    tracemalloc.start()
+    try:
+        while engine.has_unfinished_requests():
+            before, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            sent = len(pipe.sizes)
+            loop._step()
+            sink.flush()
+            if len(pipe.sizes) > sent:
+                for item in pipe.last.items:
+                    g.take(item)
+            peaks.append(tracemalloc.get_traced_memory()[1] - before)
+    finally:
+        tracemalloc.stop()
+    out = g.seqs["long"]
+    assert len(out.token_ids) == n and out.finish is not None and len(out.logprobs) == n
+    steps = pipe.sizes[1:]  # the add's message first
+    early, late = steps[100:600], steps[-600:-100]
+    assert max(late) <= max(early) + 64, (max(early), max(late))  # bytes on the pipe: flat
+    early, late = sorted(peaks[100:600]), sorted(peaks[-600:-100])
+    assert late[len(late) // 2] <= 1.25 * early[len(early) // 2] + 2048, (early[len(early) // 2], late[len(late) // 2])
