@@ -2,9 +2,9 @@
 
 The routes call add / abort and read group.queue exactly as with the local AsyncEngine; here `add` checks the
 request against the admission table (the same 400s a replica would give, before anything is routed), asks the
-router for a replica, and opens a stream to it: the replica answers
-Admitted (or Refused: a ValueError, the client's 400) and then Batches of StreamItems (each a sequence's
-RequestDelta), which a pump task puts, in this process's time, on the group's queue (wire.py). The stream runs over the replica's direct channel (channel.py,
+router for a replica, and opens a stream to it: the replica answers Admitted (or Refused: a ValueError, the
+client's 400) and then Batches of StreamItems (each a sequence's RequestDelta), which a pump task puts, in this
+process's time, on the group's queue (wire.py). The stream runs over the replica's direct channel (channel.py,
 one TCP connection per replica; ClusterConfig.direct_streams) or through Ray Serve's handle: both answer the
 same messages. `abort` cancels the stream; the replica aborts the group's sequences and their KV blocks go back.
 
