@@ -377,15 +377,21 @@ class LLMEngine:
         req.stop_reason = stop.reason
         self.scheduler.finish_request(req, stop.status)
 
+    @staticmethod
+    def _new_text(req: Request) -> str:
+        """The text req's detokenizer releases since the last call (all it held back once req has ended); "" for a
+        failed request, which keeps the text it had."""
+        if req.detokenizer is None or req.error is not None:
+            return ""
+        if req.is_finished:
+            req.detokenizer.finish()
+        return req.detokenizer.take_delta()
+
     def _delta(self, req: Request) -> RequestDelta:
         """What changed for req since its last delta; its Finish once it has ended. Nothing here grows with the
         request's length (the whole text is read once, at the end)."""
         start = req.num_emitted
-        new_text = ""
-        if req.detokenizer is not None and req.error is None:  # a failed request keeps the text it had
-            if req.is_finished:
-                req.detokenizer.finish()
-            new_text = req.detokenizer.take_delta()
+        new_text = self._new_text(req)
         req.num_emitted = len(req.output_token_ids)
         delta = RequestDelta(req.request_id, req.output_token_ids[start:], new_text, req.clock.token_times[start:])
         if req.params.logprobs is not None:
@@ -400,11 +406,8 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.output_token_ids[req.num_emitted:]
-        new_text = ""
-        if req.detokenizer is not None and req.error is None:  # a failed request keeps the text it had
-            if req.is_finished:
-                req.detokenizer.finish()
-            new_text = req.detokenizer.take_delta()
+        new_text = self._new_text(req)
+        if req.detokenizer is not None and req.error is None:
             req.text = req.detokenizer.output_text
         req.num_emitted = len(req.output_token_ids)
         return RequestOutput(

@@ -47,39 +47,24 @@ class RequestDelta:
 
 
 class SequenceOutput:
-    """A request's deltas added up: its tokens, text and logprobs so far, and the whole output once finished.
-    Appends only, so taking a delta costs what the delta holds."""
+    """A request's deltas added up: its tokens and logprobs so far, and the whole output once finished (the text
+    comes whole with the Finish). Appends only, so taking a delta costs what the delta holds."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "token_ids", "text_parts", "logprobs", "finish", "first_token")
+    __slots__ = ("request_id", "prompt_token_ids", "token_ids", "logprobs", "finish")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], logprobs: bool):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
-        self.text_parts: list[str] = []
         self.logprobs: list[Logprob] | None = [] if logprobs else None
         self.finish: Finish | None = None
-        self.first_token: float | None = None  # the first token's emission time
 
     def add(self, delta: RequestDelta) -> None:
         self.token_ids += delta.new_token_ids
-        if delta.new_text:
-            self.text_parts.append(delta.new_text)
         if self.logprobs is not None and delta.new_logprobs:
             self.logprobs += delta.new_logprobs
-        if self.first_token is None and delta.token_times:
-            self.first_token = delta.token_times[0]
         if delta.finish is not None:
             self.finish = delta.finish
-
-    @property
-    def text(self) -> str:
-        """The text so far (the finished text once it has ended)."""
-        if self.finish is not None:
-            return self.finish.text
-        if len(self.text_parts) > 1:
-            self.text_parts[:] = ["".join(self.text_parts)]
-        return self.text_parts[0] if self.text_parts else ""
 
     def output(self, prompt: str | None = None) -> RequestOutput:
         """The whole output as `LLM.generate` returns it (built once, at the end)."""

@@ -96,9 +96,7 @@ class PromptShare:
         d = model.predict(self.decode_shape)
         probe = 512
         p = (model.predict(self.decode_shape.with_chunk(0, probe, False, True)) - d) / probe
-        if p <= 0:
-            return cap
-        if p * rate >= 1:
+        if p <= 0 or p * rate >= 1:
             return cap
         return min(cap, d + p * rate * d / (1 - p * rate))
 
