@@ -1,5 +1,5 @@
 """The built-in checkpoints: names that `LLM(...)`, `twospeed serve --model` and the lab accept in place of a
-checkpoint folder. Each is built on first use into the cache folder (`TWOSPEED_CACHE`) and reused after.
+checkpoint folder or GGUF file. Each is built on first use into the cache folder (`TWOSPEED_CACHE`) and reused after.
 
 demo               random weights (model/demo.py): instant, for tests where only shapes and timing matter
 demo-draft         the demo's first layers (model/demo.py): a draft for speculative decoding on the demo
@@ -41,11 +41,14 @@ def builtin_checkpoint_path(name: str) -> Path:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A checkpoint folder, or a built-in (model/builtin.py: `demo`, `demo-draft`, `demo-task`), built on first
-    use."""
+    """A checkpoint folder, a GGUF file, or a built-in (model/builtin.py: `demo`, `demo-draft`, `demo-task`), built
+    on first use. Which loader reads it is model/loader.py's `open_checkpoint`."""
     if is_builtin(model):
         return builtin_checkpoint_path(model)
+    from twospeed.model.checkpoint_files import is_checkpoint_path
+
     path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder (built in: {', '.join(builtin_names())})")
+    if not is_checkpoint_path(path):
+        raise FileNotFoundError(f"model {model!r}: no such checkpoint folder or .gguf file (built in: "
+                                f"{', '.join(builtin_names())})")
     return path

@@ -54,6 +54,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":  # a GGUF's rope_freqs: one divisor per frequency (llama3's scaling, precomputed)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -64,7 +66,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
