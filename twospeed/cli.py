@@ -29,8 +29,9 @@ def _bool(text: str) -> bool:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
     parser.add_argument("--model", default="demo",
-                        help="checkpoint folder (HF layout), or a built-in: demo (random weights), demo-draft (its "
-                             "draft), demo-task (trained on the lab's formats, built on first use)")
+                        help="checkpoint folder (HF layout), a .gguf file (or a folder holding one), or a built-in: "
+                             "demo (random weights), demo-draft (its draft), demo-task (trained on the lab's formats, "
+                             "built on first use); --tokenizer FOLDER overrides the checkpoint's tokenizer")
     for klass in _ENGINE_AREAS:
         hints = typing.get_type_hints(klass)
         for flat, name in flat_fields(klass).items():

@@ -234,7 +234,10 @@ def flat_fields(klass: type) -> dict[str, str]:
 class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
-    model: str  # checkpoint folder, or a built-in ("demo", "demo-task")
+    model: str  # checkpoint folder, a GGUF file (or a folder holding one), or a built-in ("demo", "demo-task")
+    # A tokenizer folder (tokenizer.json and the files beside it) in place of the checkpoint's own: a GGUF whose
+    # vocabulary kind twospeed cannot rebuild, or a checkpoint shipped without one. None: the checkpoint's.
+    tokenizer: str | None = None
     # "auto": a float32 checkpoint in bf16 where the device has bf16 kernels (a GPU without them: fp16), any other in
     # its own dtype, or in float32 on a CPU without its kernels (model/compute_dtype.py); or "float32", "bfloat16", ...
     dtype: str = "auto"

@@ -85,7 +85,7 @@ class LLMEngine:
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from twospeed.model.tokenizer import Tokenizer
-            self.tokenizer = Tokenizer.from_pretrained(self.model_path)
+            self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         cache = config.cache
         self.num_blocks = num_blocks_for(self.model_config, cache, self.dtype)
         sched = config.scheduler
@@ -137,7 +137,8 @@ class LLMEngine:
         return EngineMemory(_name(self.dtype), _name(self.model_config.dtype), self.config.quantization,
                             self.model.weight_bytes(), cache.kv_cache_dtype, per_token,
                             cache.block_size, per_token * cache.block_size, self.num_blocks,
-                            self.num_blocks * cache.block_size)
+                            self.num_blocks * cache.block_size,
+                            dict(getattr(self.model, "checkpoint_formats", None) or {}) or None)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None, *,

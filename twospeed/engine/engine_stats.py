@@ -47,3 +47,7 @@ class EngineMemory:
     block_bytes: int  # bytes of one KV block (block_size * kv_bytes_per_token)
     num_blocks: int  # blocks in the pool
     max_tokens: int  # tokens the pool holds (num_blocks * block_size)
+    # How the checkpoint's file stores each kind of tensor, by the file format's own names: {"attention": "Q4_1",
+    # "mlp": "Q4_1", "embedding": "Q8_0", "norm": "F32"} for a GGUF, {"attention": "BF16", ...} for safetensors;
+    # several formats in one kind joined by "+", the most common first (model/loader.py: Checkpoint.formats)
+    checkpoint_formats: dict[str, str] | None = None

@@ -1,8 +1,9 @@
-"""Tokenizer of a Hugging Face checkpoint folder: encode/decode, chat template, streaming detokenizer.
+"""Tokenizer of a checkpoint: encode/decode, chat template, streaming detokenizer.
 
 Inputs: tokenizer.json (through the `tokenizers` library; transformers is never imported
 here) and the small JSON files beside it that name the special tokens, the eos ids and the
-chat template. `apply_chat_template` renders as transformers' does
+chat template; or a GGUF file's metadata, rebuilt as the same kind of `tokenizers` object
+(model/gguf_tokenizer.py). `apply_chat_template` renders as transformers' does
 (transformers/utils/chat_template_utils.py), so a chat prompt, and therefore its prefix-cache
 hits, are token for token what an HF user gets. `IncrementalDetokenizer` is vLLM's
 prefix/read-offset technique (vllm/transformers_utils/detokenizer_utils.py) plus stop strings.
@@ -21,6 +22,8 @@ import tokenizers
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from twospeed.model.checkpoint_files import find_gguf
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # HF aliases these for templates
@@ -44,8 +47,12 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a checkpoint folder (tokenizer.json and the files beside it), or of a GGUF file (or a
+        folder holding one and no tokenizer.json): rebuilt from its metadata (model/gguf_tokenizer.py)."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file() and (gguf_file := find_gguf(path)) is not None:
+            return cls.from_gguf(gguf_file)
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{tokenizer_file} not found: twospeed needs a fast tokenizer (tokenizer.json)")
         try:
@@ -66,6 +73,14 @@ class Tokenizer:
         # transformers 5 ignores them too, and tokenizer.json's post-processor decides.
         return cls(backend, special_tokens=special, bos_token_id=next((i for i in bos_ids if i is not None), None),
                    eos_token_ids=frozenset(eos_ids), chat_templates=_read_chat_templates(path, tok_cfg))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        from twospeed.model.gguf_tokenizer import load_gguf_tokenizer
+
+        t = load_gguf_tokenizer(path)
+        return cls(t.backend, special_tokens=t.special_tokens, bos_token_id=t.bos_token_id,
+                   eos_token_ids=t.eos_token_ids, chat_templates=t.chat_templates)
 
     @property
     def chat_template(self) -> str | None:
