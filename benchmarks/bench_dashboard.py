@@ -105,9 +105,9 @@ def listener_cost() -> dict:
     from twospeed.engine.engine_stats import StepStats
     from twospeed.engine.request import Request
     from twospeed.engine.sampling_params import SamplingParams
-    from twospeed.server.events import FinishEvent, StepEvent
+    from twospeed.serving.events import FinishEvent, StepEvent
     from twospeed.server.history import History
-    from twospeed.server.slo import Verdict
+    from twospeed.schema.slo import Verdict
 
     stats = StepStats(time=0.0, step_time=0.03, num_prefill_tokens=64, num_decode_tokens=4, num_running=4,
                       num_waiting=1, num_preempted=0, kv_blocks_used=10, kv_blocks_total=96, kv_cached_blocks=5)

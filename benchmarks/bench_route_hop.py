@@ -4,7 +4,7 @@ Run:  .venv/bin/python benchmarks/bench_route_hop.py [--requests 400] [--prompt-
           [--hog-nice 0] [--hop-nice 0] [--pause-ms 30]
 
 Two processes, as in a cluster: an "ingress" that does what the cluster client does between a request's
-arrival and its send (RoutedGroup, the prefix router's choice over the prompt's block-hash chain, a frame on the
+arrival and its send (the Admission, the prefix router's choice over the prompt's block-hash chain, a frame on the
 replica's channel), and a "replica" whose ChannelServer runs a generate() that stamps route_time exactly as
 EngineReplica.generate does and answers Admitted. Requests go one at a time, a random pause apart (`--pause-ms`),
 so every hop starts from sleeping processes (the common case at a few requests a second); 0 sends them back to
@@ -32,15 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twospeed.cluster.channel import Channel, ChannelServer  # noqa: E402
 from twospeed.cluster.router import PrefixRouter, ReplicaLoad  # noqa: E402
 from twospeed.engine.sampling_params import SamplingParams  # noqa: E402
-from twospeed.server.request_group import SequenceSpec  # noqa: E402
-from twospeed.server.wire import Admitted, Load, RoutedGroup  # noqa: E402
+from twospeed.serving.request_group import SequenceSpec  # noqa: E402
+from twospeed.serving.request_group import Admission  # noqa: E402
+from twospeed.serving.wire import Admitted, Load  # noqa: E402
 
 
 def replica(port_queue: mp.Queue, nice: int) -> None:
     os.nice(nice)
 
-    async def generate(routed: RoutedGroup):
-        yield Admitted(max(0.0, time.time() - routed.arrival_unix), Load(0, 0, 0.0, 0))
+    async def generate(routed: Admission):
+        yield Admitted(max(0.0, time.time() - routed.arrival_time), Load(0, 0, 0.0, 0))
 
     async def main() -> None:
         server = ChannelServer(generate)
@@ -74,7 +75,7 @@ async def ingress(address, args) -> tuple[list[float], list[float]]:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * args.pause_ms / 1e3)
         arrival, arrival_unix = time.monotonic(), time.time()
         specs = [SequenceSpec(f"r{i}", prompt, SamplingParams(max_tokens=64), 0)]
-        routed = RoutedGroup("agent", 0, arrival_unix, specs)
+        routed = Admission("agent", 0, arrival_unix, specs)
         decision = router.choose(prompt, loads)
         stream = await channel.open(routed)
         sent = time.monotonic()

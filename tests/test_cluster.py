@@ -272,7 +272,7 @@ def test_the_route_runs_above_the_engines(cluster):
     replica = f"ServeReplica:{APP}:engine-"
     actors = {pid: nice for pid, (_, nice, cmd) in procs.items() if pid in ours and replica in cmd}
     assert len(actors) == 2 and set(actors.values()) == {WORKER_NICE}, actors
-    engines = [nice for ppid, nice, cmd in procs.values() if ppid in actors and "engine_process" in cmd]
+    engines = [nice for ppid, nice, cmd in procs.values() if ppid in actors and "engine_child" in cmd]
     assert engines == [WORKER_NICE + ClusterConfig().engine_nice] * 2, engines
 
 

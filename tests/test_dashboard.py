@@ -19,12 +19,12 @@ from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import Request, percentile
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.plan.clock import ToyClock
-from twospeed.server.events import FaultEvent, FinishEvent, LoadEvent, StepEvent
+from twospeed.serving.events import FaultEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.history import History, HistoryConfig
 from twospeed.server.metrics import ITL_BUCKETS, TTFT_BUCKETS, ServerMetrics
 from twospeed.server.ring import ColumnRing
 from twospeed.server.routes_dashboard import calibrated_costs
-from twospeed.server.slo import CAUSES, Verdict
+from twospeed.schema.slo import CAUSES, Verdict
 
 
 # -- the ring ------------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_history_memory_stays_under_its_stated_cap_in_a_soak():
 
 
 def test_a_failing_listener_is_logged_and_the_others_still_hear(caplog):
-    from twospeed.server.engine_loop import EngineLoop
+    from twospeed.serving.engine_loop import EngineLoop
 
     heard = []
     loop = EngineLoop(None, None, listeners=[lambda e: 1 / 0, heard.append])

@@ -18,12 +18,11 @@ import pytest
 
 from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
-from twospeed.engine.sampling_params import SamplingParams
-from twospeed.server.engine_process import ProcessEngine
-from twospeed.server.errors import APIError
-from twospeed.server.events import FinishEvent, LoadEvent, StepEvent
-from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec
-from twospeed.server.slo import SLOTable, parse_slo_flag
+from twospeed.engine.sampling_params import SamplingParams, StructuredOutput
+from twospeed.serving.process_engine import ProcessEngine
+from twospeed.serving.events import FinishEvent, LoadEvent, StepEvent
+from twospeed.serving.request_group import Admission, EngineError, EngineGone, RequestGroup, SequenceSpec
+from twospeed.schema.slo import SLOTable, parse_slo_flag
 
 CONFIG = EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 20]]
@@ -32,7 +31,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [5, 6, 7, 8, 20]]
 def group(*prompts, max_tokens=6, name="g", lane="default") -> RequestGroup:
     specs = [SequenceSpec(f"{name}-{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0), i)
              for i, p in enumerate(prompts)]
-    return RequestGroup(lane, 0, time.monotonic(), specs)
+    return RequestGroup(Admission(lane, 0, time.monotonic(), specs))
 
 
 async def finish(g: RequestGroup, timeout: float = 60.0) -> list:
@@ -74,6 +73,20 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
             with pytest.raises(ValueError, match="max_model_len|room|exceed") as err:
                 await pe.add(group([1] * 200, max_tokens=4, name="long"))
             assert getattr(err.value, "param", None) is not None
+            # a grammar is compiled once, in the engine process: one that does not compile is refused with its
+            # field, one that does is followed (the server side never builds a compiler of its own)
+            bad = group([5, 6, 7], name="bad-grammar")
+            bad.specs[0].params = SamplingParams(max_tokens=4, structured=StructuredOutput(regex="(unclosed"))
+            with pytest.raises(ValueError) as err:
+                await pe.add(bad)
+            assert err.value.param == "structured"
+            choice = group([5, 6, 7], name="choice")
+            choice.specs[0].params = SamplingParams(max_tokens=8, temperature=0,
+                                                    structured=StructuredOutput(choice=["yes", "no"]))
+            await pe.add(choice)
+            done = [it for it in await finish(choice) if it.finished][-1].output
+            assert view.tokenizer.decode(done.token_ids) in ("yes", "no")
+            assert not hasattr(view, "grammars")
             g = group(*PROMPTS, lane="chat")
             await pe.add(g)
             items = await finish(g)
@@ -99,7 +112,7 @@ def test_the_engine_process_matches_the_engine_here_and_survives_bad_input():
         assert not pe.is_alive and pe._proc.returncode == 0
 
     asyncio.run(main())
-    finishes = [e for e in events if isinstance(e, FinishEvent)]
+    finishes = [e for e in events if isinstance(e, FinishEvent) and e.lane == "chat"]
     assert sorted(e.request.request_id for e in finishes) == ["g-0", "g-1", "g-2"]
     assert all(e.verdict is not None and e.verdict.met and e.counts()["output_tokens"] == 6 for e in finishes)
     assert any(isinstance(e, StepEvent) for e in events)
@@ -132,9 +145,8 @@ def test_an_abort_returns_every_block_and_a_dead_engine_ends_its_streams():
             items = await finish(g, timeout=30)
             assert isinstance(items[-1].error, EngineError) and "exited" in str(items[-1].error)
             await until(lambda: not pe.is_alive)
-            with pytest.raises(APIError, match="exited") as err:  # a 503, not the client's fault
+            with pytest.raises(EngineGone, match="exited"):  # the server's 503, not the client's fault
                 await pe.add(group([5, 6], name="late"))
-            assert err.value.status == 503
         finally:
             await pe.shutdown()
 
@@ -156,7 +168,7 @@ def test_the_engine_process_exits_when_the_server_process_dies_and_needs_no_main
     script = textwrap.dedent("""
         import asyncio, os, sys
         from twospeed.config import EngineConfig
-        from twospeed.server.engine_process import ProcessEngine
+        from twospeed.serving.process_engine import ProcessEngine
 
         async def main():
             pe = ProcessEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=32, max_model_len=128, num_threads=1))
@@ -186,13 +198,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_server_side_never_imports_torch(tmp_path):
+def test_the_server_side_never_imports_torch_or_a_grammar_compiler(tmp_path):
     """The server's process (and a cluster's ingress and replica actors) reads the engine's facts and messages
     without torch: importing the app and unpickling an engine's EngineFacts load no torch (a torch object in the
-    facts, or a torch-importing module on the server's path, fails this)."""
+    facts, or a torch-importing module on the server's path, fails this). Nor llguidance: a request's grammar is
+    compiled once, beside the engine, never again on the server's side to check it."""
     import pickle
 
-    from twospeed.server.engine_view import EngineFacts
+    from twospeed.serving.engine_view import EngineFacts
 
     engine = LLMEngine(CONFIG)
     facts = EngineFacts.of(engine, "engine", "i", "1")
@@ -204,7 +217,7 @@ def test_the_server_side_never_imports_torch(tmp_path):
         import twospeed.server.app, twospeed.cluster.client, twospeed.cluster.replica, twospeed.cli
         facts = pickle.loads(open({str(blob)!r}, "rb").read())
         assert facts.dtype == {dtype!r} and facts.vocab_size > 0, facts
-        loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("twospeed.model.llama"))
+        loaded = sorted(m for m in sys.modules if m in ("torch", "llguidance") or m.startswith("twospeed.model.llama"))
         print(loaded)
         sys.exit(1 if loaded else 0)
     """)
@@ -229,8 +242,8 @@ def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start():
     server does: the bytes each step sends and the Python memory each step allocates (engine emit, loop, sink,
     pickling, the group's adding up) stay flat with length. Copying the whole output per step (as RequestOutput
     and the old wire did) grows both by the output's size: 32 KB a step at the end here."""
-    from twospeed.server.engine_loop import AddGroup, EngineLoop
-    from twospeed.server.engine_process import _PipeSink
+    from twospeed.serving.engine_loop import AddGroup, EngineLoop
+    from twospeed.serving.engine_child import _PipeSink
 
     n = 4000
     engine = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=300, max_model_len=n + 8, num_threads=1,
@@ -239,10 +252,9 @@ def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start():
     sink = _PipeSink(pipe)
     loop = EngineLoop(engine, sink, listeners=[sink.listen])
     sink.loop = loop
-    g = RequestGroup("default", 0, time.monotonic(), [SequenceSpec(
-        "long", [5, 6, 7], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2), 0)])
-    g.unfinished = {"long"}
-    loop.submit(AddGroup(g, 0))
+    g = RequestGroup(Admission("default", 0, time.monotonic(), [SequenceSpec(
+        "long", [5, 6, 7], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2), 0)]))
+    loop.submit(AddGroup(g.admit(), 0))
     loop._drain_commands()
     sink.flush()
     peaks = {}  # step -> Python memory it allocated at its peak, traced at the start and near the end only

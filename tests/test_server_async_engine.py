@@ -12,9 +12,9 @@ import pytest
 from twospeed.config import EngineConfig
 from twospeed.engine.engine import LLMEngine
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.server.async_engine import AsyncEngine
-from twospeed.server.events import FinishEvent
-from twospeed.server.request_group import RequestGroup, SequenceSpec
+from twospeed.serving.async_engine import AsyncEngine
+from twospeed.serving.events import FinishEvent
+from twospeed.serving.request_group import Admission, RequestGroup, SequenceSpec
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def engine():
 def group(*prompts, max_tokens=4, name="g") -> RequestGroup:
     specs = [SequenceSpec(f"{name}-{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0), i)
              for i, p in enumerate(prompts)]
-    return RequestGroup("default", 0, time.monotonic(), specs)
+    return RequestGroup(Admission("default", 0, time.monotonic(), specs))
 
 
 async def finish(g: RequestGroup, timeout: float = 30.0) -> list:
@@ -126,7 +126,7 @@ def test_a_groups_itl_target_reaches_its_requests(engine):
         ae.start()
         try:
             g = group([5, 6, 7], [8, 9], name="slo")
-            g.itl_target = 0.06
+            g.admission.itl_target = 0.06
             await ae.add(g)
             await finish(g)
         finally:

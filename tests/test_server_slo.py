@@ -7,7 +7,7 @@ import math
 import pytest
 
 from twospeed.engine.request import Bill, Clock
-from twospeed.server.slo import LaneSLO, Objective, SLOTable, load_slo_file, parse_duration, parse_slo_flag
+from twospeed.schema.slo import LaneSLO, Objective, SLOTable, load_slo_file, parse_duration, parse_slo_flag
 
 
 def make_clock(queue=0.0, prefill=0.01, gaps=(0.01,) * 9, interfered=0) -> Clock:

@@ -17,13 +17,13 @@ from twospeed import LLM, SamplingParams
 from twospeed.cluster.history import merge_histories
 from twospeed.cluster.metrics import merge_expositions
 from twospeed.engine.outputs import RequestDelta
-from twospeed.server.wire import STAMPS, TimeBase, from_wire, shift_clock, to_wire
+from twospeed.serving.wire import STAMPS, TimeBase, from_wire, shift_clock, to_wire
 from twospeed.engine.request import Clock, RequestOutput
-from twospeed.server.request_group import EngineError, RequestGroup, SequenceSpec, ShutdownError, StreamItem
-from twospeed.server.events import FinishEvent, StepEvent
+from twospeed.serving.request_group import Admission, EngineError, RequestGroup, SequenceSpec, ShutdownError, StreamItem
+from twospeed.serving.events import FinishEvent, StepEvent
 from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
-from twospeed.server.slo import Verdict
+from twospeed.schema.slo import Verdict
 
 SKEW = 1234.5
 
@@ -74,7 +74,7 @@ def test_deltas_add_up_to_the_engines_outputs_exactly(engine):
     want = outputs(engine, specs)
     replica, ingress = TimeBase(), TimeBase()
     replica.offset += SKEW  # the replica's wall clock runs ahead: absolute times move, durations do not
-    group = RequestGroup("default", 0, 0.0, specs)
+    group = RequestGroup(Admission("default", 0, 0.0, specs))
     compared = ("request_id", "token_ids", "text", "finished", "finish_reason", "stop_reason", "prompt_token_ids",
                 "num_preemptions", "error")
     # Every field of RequestOutput reaches the ingress (a new one must be added to engine/outputs.py and here); the
@@ -127,7 +127,7 @@ def test_a_delta_carries_only_the_steps_change(engine):
 def test_errors_and_aborts_cross_with_their_kind():
     spec = SequenceSpec("x", [1, 2, 3], SamplingParams(max_tokens=4), 0)
     base = TimeBase()
-    group = RequestGroup("default", 0, 0.0, [spec])
+    group = RequestGroup(Admission("default", 0, 0.0, [spec]))
     cross = lambda item: group.take(from_wire(pickle.loads(pickle.dumps(to_wire(item, base))), base))  # noqa: E731
     engine_failed = cross(StreamItem("x", 0, None, error=EngineError("boom")))
     assert isinstance(engine_failed.error, EngineError) and str(engine_failed.error) == "boom"

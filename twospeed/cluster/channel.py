@@ -6,7 +6,7 @@ time's whole p99 (BENCHMARKS.md). Ray Serve still owns the replicas (placement, 
 the control calls (describe, ping, metrics); only the requests' streams take this path.
 
 Frames: a 4-byte big-endian length, then a pickle of (kind, stream id, payload). The ingress opens a stream
-with ("open", id, RoutedGroup) and may end it early with ("cancel", id, None); the replica answers each
+with ("open", id, Admission) and may end it early with ("cancel", id, None); the replica answers each
 stream with ("msg", id, Admitted | Refused | Batch) frames, then ("end", id, None), or ("error", id, text) if
 its generator raised. A connection starts with the replica's secret (from its ping(), over Ray) in plain
 bytes, checked before anything is unpickled, so only an ingress that asked Ray can speak. A connection that

@@ -1,4 +1,4 @@
-"""ClusterEngine: the ingress's engine client (server/engine_client.py) over engine replicas on Ray Serve.
+"""ClusterEngine: the ingress's engine client (serving/engine_client.py) over engine replicas on Ray Serve.
 
 The routes call add / abort and read group.queue exactly as with the local AsyncEngine; here `add` checks the
 request against the admission table (the same 400s a replica would give, before anything is routed), asks the
@@ -31,10 +31,10 @@ from twospeed.cluster.metrics import RouterMetrics, merge_expositions
 from twospeed.cluster.router import Decision, ReplicaLoad, Router, make_router
 from twospeed.engine.admission import check_params, check_prompt
 from twospeed.engine.sampling_params import InvalidParam
-from twospeed.server.engine_view import EngineFacts, EngineView, load_tokenizer
+from twospeed.serving.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.server.errors import APIError
-from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
-from twospeed.server.wire import Admitted, Batch, Load, Refused, RoutedGroup, TimeBase, from_wire
+from twospeed.serving.request_group import Admission, RequestGroup, ShutdownError, StreamItem
+from twospeed.serving.wire import Admitted, Batch, Load, Refused, TimeBase, admission_to_wire, from_wire
 
 log = logging.getLogger(__name__)
 # The hop is on every request's critical path: by value over Ray Serve's gRPC transport, plain pickle (our messages
@@ -49,7 +49,7 @@ class HandleTransport:
     def __init__(self, handle: Any):
         self.handle = handle
 
-    async def open(self, routed: RoutedGroup) -> Any:
+    async def open(self, routed: Admission) -> Any:
         return self.handle.generate.options(stream=True, **HANDLE_OPTIONS).remote(routed)
 
 
@@ -165,9 +165,7 @@ class ClusterEngine:
         for spec in group.specs:  # the engine's own admission rules, before the request leaves
             check_prompt(spec.prompt_token_ids, model.limits)
             check_params(spec.params, model.limits, group.priority)
-        group.unfinished = {s.request_id for s in group.specs}
-        routed = RoutedGroup(group.lane, group.priority, self.base.to_unix(group.arrival_time), group.specs,
-                             group.itl_target, group.speculate)
+        routed = admission_to_wire(group.admit(), self.base)
         prompt = group.specs[0].prompt_token_ids
         tried: set[int] = set()
         while True:

@@ -6,7 +6,7 @@ SLOs judging every finished sequence, the Prometheus metrics and the dashboard's
 worker threads for grammar compiles. It sets its own torch/OpenMP threads before the engine is built.
 
 The ingress calls:
-- generate(RoutedGroup) -> a stream (over the replica's direct channel, channel.py, or Ray Serve's handle):
+- generate(Admission) -> a stream (over the replica's direct channel, channel.py, or Ray Serve's handle):
   Admitted or Refused, then Batches of Deltas (wire.py). The request's arrival is the ingress's (converted to
   this machine's clock), `routed` is its arrival here, so the clock's ttft is measured from the ingress and
   route_time is the hop. Cancelling the stream aborts the sequences.
@@ -26,11 +26,11 @@ from functools import partial
 from twospeed.cluster.channel import ChannelAddress, ChannelServer
 from twospeed.config import EngineConfig
 from twospeed.server.config import ServerConfig
-from twospeed.server.engine_view import EngineFacts
-from twospeed.server.events import EngineEvent, LoadEvent
-from twospeed.server.request_group import RequestGroup
+from twospeed.serving.engine_view import EngineFacts
+from twospeed.serving.events import EngineEvent, LoadEvent
+from twospeed.serving.request_group import Admission, RequestGroup
 from twospeed.server.state import ServerState
-from twospeed.server.wire import Admitted, Batch, Load, Refused, RoutedGroup, TimeBase, to_wire
+from twospeed.serving.wire import Admitted, Batch, Load, Refused, TimeBase, admission_from_wire, to_wire
 
 
 class EngineReplica:
@@ -41,7 +41,7 @@ class EngineReplica:
         self.base = TimeBase()
         self._kv_usage, self._cached_blocks = 0.0, 0
         model_name = server_config.served_model_name or engine_config.model
-        # the engine in a process of its own (server/engine_process.py): Ray's event loop here, which carries every
+        # the engine in a process of its own (serving/process_engine.py): Ray's event loop here, which carries every
         # stream's messages, then never takes the GIL from a step (and this actor never imports torch)
         source = dataclasses.replace(engine_config, num_threads=engine_config.num_threads or threads)
         if not server_config.engine_process:
@@ -61,16 +61,14 @@ class EngineReplica:
         return Load(engine.num_waiting, engine.num_running, self._kv_usage, self._cached_blocks)
 
     # -- the ingress's calls --------------------------------------------------------------------
-    async def generate(self, routed: RoutedGroup):
-        now, route_time = time.monotonic(), max(0.0, time.time() - routed.arrival_unix)
-        group = RequestGroup(routed.lane, routed.priority, now - route_time, routed.specs, itl_target=routed.itl_target,
-                             speculate=routed.speculate, routed_time=now, assemble=False)  # the ingress adds up
+    async def generate(self, routed: Admission):
+        admission, route_time = admission_from_wire(routed, self.base, time.monotonic())
+        group = RequestGroup(admission, assemble=False)  # the ingress adds the deltas up
         state = self.state
         try:
             if state.draining:
                 raise ValueError(f"replica {self.name} is shutting down")
-            await self._compile(routed)
-            state.metrics.add_lane(routed.lane)
+            state.metrics.add_lane(admission.lane)
             await state.async_engine.add(group)
         except ValueError as e:
             yield Refused(str(e), getattr(e, "param", None))
@@ -88,12 +86,6 @@ class EngineReplica:
                 yield Batch([to_wire(item, self.base) for item in items], self.load())
         finally:  # done, or cancelled by the ingress (the client left): abort what is left
             state.release(group)
-
-    async def _compile(self, routed: RoutedGroup) -> None:
-        """The grammar compiled into this engine's cache in a worker thread, so the engine thread finds it built."""
-        spec = routed.specs[0].params.structured if routed.specs else None
-        if spec is not None:
-            await self.state.run(self.state.engine.grammars.compile, spec)
 
     async def describe(self) -> EngineFacts:
         return EngineFacts.of(self.state.engine, self.name, self.instance, _actor_name())

@@ -4,7 +4,7 @@ The live page's own code (twospeed/server/static: uPlot, charts.js, dashboard.js
 with the run turned into the shape /dashboard/data serves (server/history.py): one record per request with
 its split clock and bill, every inter-token gap, the lanes' totals and SLO outcomes, the tokens per step the
 lab sampled from /metrics, and the KV memory cached prefixes held at the end. A miss's cause is named by the
-server's own rule (server/slo.py `attribute`), from the request's clock as the lab measured it.
+server's own rule (schema/slo.py `attribute`), from the request's clock as the lab measured it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from twospeed.engine.request import Bill, Clock
 from twospeed.lab.workload import Price
-from twospeed.server.slo import Objective, attribute
+from twospeed.schema.slo import Objective, attribute
 
 BILL_KEYS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "forced_tokens", "goodput_tokens")
 

@@ -95,7 +95,7 @@ def _scenario(args: argparse.Namespace, itl_from_goals: dict | None = None):
     from twospeed.lab.schedule import PlanConfig
     from twospeed.lab.workload import load_workload
     from twospeed.plan.simulate import Scenario
-    from twospeed.server.slo import parse_slo_flag
+    from twospeed.schema.slo import parse_slo_flag
 
     workload = load_workload(args.workload)
     plan = PlanConfig(seed=args.seed, salt=args.salt, scale=args.scale, max_prompt_tokens=args.max_prompt_tokens,

@@ -1,10 +1,10 @@
 """Did a simulated run meet every lane's SLO, and if not, which lane binds and which speed it lacked.
 
-A lane's goal is a set of objectives over the split clock (server/slo.py's `Objective`: ttft, itl, ttlt, queue,
+A lane's goal is a set of objectives over the split clock (schema/slo.py's `Objective`: ttft, itl, ttlt, queue,
 prefill, tpot, each with an optional percentile) and the share of its requests that must meet all of them (0.99
 for p99 objectives, as the lab's SLO target). Each finished request is judged on its own values, exactly as the
 lab and the server judge one (itl_p99: the request's own p99 gap); a request that failed misses. The lane is met
-when its attainment reaches the target. A miss has one cause (server/slo.py's `attribute`: queue, prefill,
+when its attainment reaches the target. A miss has one cause (schema/slo.py's `attribute`: queue, prefill,
 decode_interference, decode, preemption) and the causes map to the speed that ran short:
 
   queue                the replica could not start it: prompts' compute is saturated (prefill speed, capacity)
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from twospeed.engine.request import Bill
 from twospeed.lab.workload import SLO
 from twospeed.plan.sim import SimRequest
-from twospeed.server.slo import LaneSLO, Objective, attribute
+from twospeed.schema.slo import LaneSLO, Objective, attribute
 
 SPEED = {"queue": "prefill (compute: prompts queue for the replica)", "prefill": "prefill (compute: the prompt itself)",
          "decode_interference": "decode (prompt chunks inside decode steps: the step budget)",

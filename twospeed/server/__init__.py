@@ -1,3 +1,3 @@
-"""OpenAI-compatible HTTP server around LLMEngine: app.py (routes, errors, auth, streaming, shutdown),
-protocol.py (request models), responses.py (the split clock and bill, usage, logprobs as JSON),
-async_engine.py (the engine thread), metrics.py (Prometheus), slo.py (lanes and SLOs)."""
+"""OpenAI-compatible HTTP server around an engine client (twospeed/serving/): app.py (routes, errors, auth,
+shutdown), prepare.py and protocol.py (requests to sequences), streaming.py and responses.py (the split clock and
+bill, usage, logprobs as JSON), metrics.py (Prometheus), history.py (the dashboard)."""

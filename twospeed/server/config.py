@@ -7,7 +7,7 @@ from typing import Literal
 
 from twospeed.lab.workload import Price
 from twospeed.server.history import HistoryConfig
-from twospeed.server.slo import LaneSLO, load_slo_file, parse_slo_flag
+from twospeed.schema.slo import LaneSLO, load_slo_file, parse_slo_flag
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class ServerConfig:
     # "clamp" = cut to the room. One it did not set (completions' default 16) is cut to the room either way.
     max_tokens_policy: Literal["error", "clamp"] = "error"
     prep_threads: int = 2  # worker threads that parse, tokenize, render and compile requests off the event loop
-    # The engine in a process of its own (server/engine_process.py: no HTTP work takes the GIL from a step), or in
+    # The engine in a process of its own (serving/process_engine.py: no HTTP work takes the GIL from a step), or in
     # a thread of the server's process (False: one process, as an embedded engine runs).
     engine_process: bool = True
     # Niceness added to the engine process (0-19). Above 0, on cores the engine shares, the server's own work (an HTTP

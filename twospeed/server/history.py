@@ -1,6 +1,6 @@
 """History: the last minutes of the engine, in memory, for the dashboard (GET /dashboard/data).
 
-An engine listener (server/events.py), like the metrics. It keeps, each in a ring of fixed size:
+An engine listener (serving/events.py), like the metrics. It keeps, each in a ring of fixed size:
 - every engine step: the numeric fields of StepStats (tokens by kind, step time, running, waiting, preempted, KV
   blocks, and whatever numbers StepStats gains, e.g. the cost model's prediction), one column each;
 - every inter-token gap of every finished sequence, with its lane (ITL percentiles and CDFs per lane);
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import percentile
-from twospeed.server.events import EngineEvent, FinishEvent, LoadEvent, StepEvent
+from twospeed.serving.events import EngineEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.ring import ColumnRing
 
 # StepStats fields that are not per-step series: the stamp, and the pool size (constant; served in the config).

@@ -19,9 +19,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from twospeed.engine.engine_stats import EngineMemory, StepStats
 from twospeed.engine.request import SPEC_OFF_CAUSES, Clock, SpecTrace
-from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
+from twospeed.serving.events import EngineEvent, FaultEvent, FinishEvent, LoadEvent, StepEvent
 from twospeed.server.exposition import Exposition
-from twospeed.server.slo import CAUSES, Verdict
+from twospeed.schema.slo import CAUSES, Verdict
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -54,7 +54,7 @@ FAULT_SCOPES = ("request", "step")
 
 
 class ServerMetrics:
-    """The server's registry; `on_event` is its engine listener (server/events.py)."""
+    """The server's registry; `on_event` is its engine listener (serving/events.py)."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, lanes: tuple[str, ...] = ()):
         self.model = model_name

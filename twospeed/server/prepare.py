@@ -3,10 +3,10 @@
 Everything a request needs before the engine sees it that can take long on a large or hostile body runs
 here, never on the event loop: parsing and validating the JSON (body.py), OpenAI's conversation rules,
 checking schemas (once per distinct schema), rendering the chat template, tokenizing, the max_tokens
-policy, and compiling the grammar into the engine's cache (so admission in the engine thread finds it
-compiled). A prompt text so long that it must exceed the context is refused before it is tokenized.
+policy. The grammar is compiled once, by the engine client beside the engine (serving/engine_loop.py
+compile_grammar), never here. A prompt text so long that it must exceed the context is refused before it is tokenized.
 
-Inputs: the ServerState (tokenizer, the engine's limits and grammar compiler) and the body bytes.
+Inputs: the ServerState (tokenizer, the engine's limits) and the body bytes.
 Outputs: a Prepared request (its sequences for the engine thread), or an APIError (400) naming the field.
 """
 
@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from twospeed.server.request_group import SequenceSpec
+from twospeed.serving.request_group import SequenceSpec
 from twospeed.server.body import load_body, validate_sliced
 from twospeed.server.errors import APIError, UnsupportedValue
 from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -53,7 +53,6 @@ class Preparer:
             specs += [SequenceSpec(f"cmpl-{uuid.uuid4().hex}-{i}-{j}", ids,
                                    self._params(body, max_tokens, body.logprobs, j), i * body.n + j)
                       for j in range(body.n)]
-        self._compile(body, specs)
         return Prepared(body, prompts, specs)
 
     def chat(self, raw: bytes) -> Prepared:
@@ -66,7 +65,6 @@ class Preparer:
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         specs = [SequenceSpec(f"chatcmpl-{uuid.uuid4().hex}-{j}", ids, self._params(body, max_tokens, top_n, j), j)
                  for j in range(body.n)]
-        self._compile(body, specs)
         return Prepared(body, [(None, ids)], specs)
 
     def tokenize(self, raw: bytes) -> dict:
@@ -166,13 +164,3 @@ class Preparer:
         except ValueError as e:
             param = getattr(e, "param", None)
             raise APIError(400, str(e), param=body.structured_param if param == "structured" else param) from None
-
-    def _compile(self, body, specs: list[SequenceSpec]) -> None:
-        """Compile the request's grammar into the engine's cache now, off the engine thread."""
-        spec = specs[0].params.structured if specs else None
-        if spec is None:
-            return
-        try:
-            self.state.engine.grammars.compile(spec)
-        except ValueError as e:
-            raise APIError(400, str(e), param=body.structured_param) from None

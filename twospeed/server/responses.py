@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from twospeed.engine.request import Clock, Logprob, SpecTrace, percentile
 
 if TYPE_CHECKING:  # annotations only: the planner's simulator writes clocks without the engine (or torch)
-    from twospeed.server.request_group import StreamItem
+    from twospeed.serving.request_group import StreamItem
 
 
 # -- the split clock and bill in responses ---------------------------------------------------------

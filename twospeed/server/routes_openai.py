@@ -16,7 +16,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from twospeed.server.request_group import StreamItem
+from twospeed.serving.request_group import StreamItem
 from twospeed.server.errors import ERROR_RESPONSES
 from twospeed.server.openapi import body as body_doc
 from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,

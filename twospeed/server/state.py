@@ -15,17 +15,16 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from twospeed.config import EngineConfig
-from twospeed.engine.structured import warm_grammars
-from twospeed.server.async_engine import AsyncEngine, monotonic_to_unix
+from twospeed.serving.async_engine import AsyncEngine, monotonic_to_unix
 from twospeed.server.config import ServerConfig
-from twospeed.server.engine_client import EngineClient
-from twospeed.server.engine_process import ProcessEngine
+from twospeed.serving.engine_client import EngineClient
+from twospeed.serving.process_engine import ProcessEngine
 from twospeed.server.errors import APIError
 from twospeed.server.history import History
 from twospeed.server.metrics import ServerMetrics
 from twospeed.server.prepare import Preparer
-from twospeed.server.request_group import RequestGroup, SequenceSpec, ShutdownError
-from twospeed.server.slo import DEFAULT_LANE, SLOTable, Verdict
+from twospeed.serving.request_group import Admission, EngineGone, RequestGroup, SequenceSpec, ShutdownError
+from twospeed.schema.slo import DEFAULT_LANE, SLOTable, Verdict
 from twospeed.server.workers import WorkerPool
 
 LANE_HEADER = "x-twospeed-lane"
@@ -69,7 +68,6 @@ class ServerState:
         self.async_engine.start()
         self.engine = await self.async_engine.ready()
         self.tokenizer = self.engine.tokenizer
-        await asyncio.to_thread(warm_grammars, self.engine)  # not on the first structured request (structured.py)
         self.memory = self.engine.memory()  # weight and KV formats, the pool in its format's bytes
         self.kv_bytes_per_block = self.memory.block_bytes
         self.metrics.set_pool(self.engine.num_blocks, self.kv_bytes_per_block, self.price_per_m())
@@ -154,10 +152,12 @@ class ServerState:
                                 f"(--max-waiting {limit}); retry later", "rate_limit_exceeded",
                            code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
         priority = body.priority if body.priority is not None else (lane.priority or 0)
-        group = RequestGroup(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target,
-                             speculate=lane.speculate)
+        group = RequestGroup(Admission(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target,
+                                       speculate=lane.speculate))
         try:
             await engine.add(group)
+        except EngineGone as e:
+            raise APIError(503, str(e), "service_unavailable") from None
         except ValueError as e:  # admission's InvalidParam names its field ("structured": the body's own name)
             param = getattr(e, "param", None)
             raise APIError(400, str(e), param=body.structured_param if param == "structured" else param) from None

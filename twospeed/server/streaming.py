@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from twospeed.server.request_group import RequestGroup, ShutdownError, StreamItem
+from twospeed.serving.request_group import RequestGroup, ShutdownError, StreamItem
 from twospeed.server.errors import APIError, error_body
 from twospeed.server.responses import request_twospeed, sequence_twospeed, server_timing, usage_json
 from twospeed.server.state import ServerState

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from twospeed.serving.request_group import resolve_future
+
 T = TypeVar("T")
 
 
@@ -53,12 +55,3 @@ class WorkerPool:
             except RuntimeError:  # the loop is closed: the server is gone
                 return
 
-
-def resolve_future(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
-    """Settle a future another thread answered (run on its event loop); a cancelled one stays as it is."""
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)

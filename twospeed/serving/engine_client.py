@@ -7,15 +7,15 @@ group's queue, and abort it when its response ends. Two implementations:
   (`twospeed serve --replicas N`).
 
 `ready()` returns the engine's read-only facts as an object with LLMEngine's read-only surface: `config`,
-`tokenizer`, `limits`, `max_model_len`, `scheduler_config`, `num_blocks`, `eos_token_ids`, `grammars` (the
-compiler a request's grammar is checked with before it is added).
+`tokenizer`, `limits`, `max_model_len`, `scheduler_config`, `num_blocks`, `eos_token_ids`. A request's grammar is
+the client's to compile, once, beside its engine (engine_loop.compile_grammar).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from twospeed.server.request_group import RequestGroup
+from twospeed.serving.request_group import RequestGroup
 
 
 @runtime_checkable
@@ -28,7 +28,8 @@ class EngineClient(Protocol):
 
     async def add(self, group: RequestGroup) -> None:
         """Admit every sequence of the group, or none: ValueError (InvalidParam names the field) when the engine
-        refuses it. Its items (server/async_engine.py StreamItem) then arrive on group.queue."""
+        refuses it, EngineGone when there is no engine to serve it. Its items (request_group.StreamItem) then arrive
+        on group.queue."""
 
     def abort(self, group: RequestGroup) -> None:
         """Stop the group's unfinished sequences (idempotent, never blocks); their KV blocks go back."""

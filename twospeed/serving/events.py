@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from twospeed.engine.engine_stats import StepStats
 from twospeed.engine.request import Bill, Clock, Request, SpecTrace
-from twospeed.server.slo import Verdict
+from twospeed.schema.slo import Verdict
 
 log = logging.getLogger(__name__)
 

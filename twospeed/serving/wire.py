@@ -1,6 +1,7 @@
 """What crosses between a cluster's ingress and a replica, and the clock's time base on each side.
 
-The ingress sends a RoutedGroup (the prepared sequences, the lane, the arrival); the replica answers with a
+The ingress sends the request's Admission (request_group.py: the prepared sequences, the lane, the arrival), its
+arrival in Unix seconds (`admission_to_wire`); the replica answers with a
 stream of messages: first Admitted (or Refused, the engine's ValueError with its field), then Batches of the
 StreamItems its engine produced, each batch with the load it is under. An item carries its sequence's
 RequestDelta (engine/outputs.py): only what is new, and at the end the clock, the bill and speculation's trace
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from twospeed.engine.outputs import RequestDelta
 from twospeed.engine.request import Clock
-from twospeed.server.request_group import SequenceSpec, StreamItem
+from twospeed.serving.request_group import Admission, StreamItem
 
 STAMPS = ("arrival", "first_scheduled", "prefill_done", "first_token", "finished", "routed")  # Clock's time fields
 
@@ -58,18 +59,6 @@ class Load:
 
 
 @dataclass(slots=True)
-class RoutedGroup:
-    """A request on its way to a replica: its sequences as the ingress prepared them."""
-
-    lane: str
-    priority: int
-    arrival_unix: float  # arrival at the ingress
-    specs: list[SequenceSpec]
-    itl_target: float | None = None  # seconds: the lane's tightest ITL objective (the scheduler sizes steps to it)
-    speculate: bool | None = None  # the lane's speculation policy (False: the lane does not speculate)
-
-
-@dataclass(slots=True)
 class Admitted:
     route_time: float  # seconds from the ingress's arrival to the replica's
     load: Load
@@ -87,6 +76,19 @@ class Refused:
 class Batch:
     items: list[StreamItem]  # times in Unix seconds (to_wire)
     load: Load
+
+
+def admission_to_wire(admission: Admission, base: TimeBase) -> Admission:
+    """Ingress side: the admission as it crosses, its arrival in Unix seconds (a copy)."""
+    return dataclasses.replace(admission, arrival_time=base.to_unix(admission.arrival_time), routed_time=None)
+
+
+def admission_from_wire(admission: Admission, base: TimeBase, now: float) -> tuple[Admission, float]:
+    """Replica side: the admission in this process's monotonic seconds, stamped routed at `now` (a monotonic
+    reading), and the hop's time (clamped at 0: across machines the wall clocks may disagree)."""
+    route_time = max(0.0, base.to_unix(now) - admission.arrival_time)
+    admission.arrival_time, admission.routed_time = now - route_time, now
+    return admission, route_time
 
 
 def to_wire(item: StreamItem, base: TimeBase) -> StreamItem:

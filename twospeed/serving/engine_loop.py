@@ -5,19 +5,19 @@ talk to it through `submit()` (add a group of sequences, abort some, abort all, 
 those commands, so an add or an abort waits at most one step, and when there is no work it sleeps on an event
 instead of spinning. What it produces goes to a `Sink`, so the same loop serves two homes:
 - a thread of the server's process (async_engine.py: the sink hands items to the event loop);
-- a process of its own (engine_process.py: the sink writes them to a pipe), where no event loop, metrics
+- a process of its own (engine_child.py: the sink writes them to a pipe), where no event loop, metrics
   render or JSON encoder competes with the step for the GIL.
 
 Nothing a request does may kill the loop: add_request's ValueError goes back to the caller; a request the
 engine failed alone (finish_reason "error") gets its error; an exception that escapes a step anyway fails the
 sequences then in flight (each gets the error) and the loop goes on.
 
-What happens is told to listeners (server/events.py: a step ran, the load changed, a sequence ended with its
+What happens is told to listeners (serving/events.py: a step ran, the load changed, a sequence ended with its
 SLO verdict, a step failed), in the loop's thread. `judge` gives a finished sequence its verdict before the
 listeners hear of it.
 
-A group here is anything with RequestGroup's admission fields (lane, priority, arrival_time, specs, itl_target,
-speculate, routed_time): the server's RequestGroup in a thread, a plain copy of it in the engine's process.
+A command adds an `Admission` (request_group.py) with a token of the sender's choosing; the sink gets each item
+with the token of the add it belongs to, so the sender finds its request group without a table of its own.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from twospeed.engine.request import Request
-from twospeed.server.events import EngineEvent, FaultEvent, FinishEvent, Listener, LoadEvent, StepEvent, tell
-from twospeed.server.slo import Verdict
-from twospeed.server.request_group import EngineError, SequenceSpec, StreamItem
+from twospeed.serving.events import EngineEvent, FaultEvent, FinishEvent, Listener, LoadEvent, StepEvent, tell
+from twospeed.schema.slo import Verdict
+from twospeed.serving.request_group import Admission, EngineError, SequenceSpec, StreamItem
 
 if TYPE_CHECKING:
     from twospeed.engine.engine import LLMEngine
@@ -45,10 +45,12 @@ Judge = Callable[[str, Request], Verdict | None]  # (lane, finished request) -> 
 
 @dataclass(slots=True)
 class AddGroup:
-    """Add every sequence of `group` or none; the sink's `added(token, ...)` answers."""
+    """Add every sequence of `admission` or none; the sink's `added(token, ...)` answers. `refused`: the sender
+    found it bad already (its grammar did not compile): the loop only answers, with that error."""
 
-    group: Any
+    admission: Admission
     token: Any
+    refused: BaseException | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +68,20 @@ class AbortAll:
 Command = AddGroup | AbortSequences | AbortAll
 
 
+def grammar_of(admission: Admission):
+    """The request's StructuredOutput (every sequence of a request shares it), or None."""
+    return admission.specs[0].params.structured if admission.specs else None
+
+
+def compile_grammar(engine: LLMEngine, admission: Admission) -> None:
+    """Compile the admission's grammar into the engine's cache in the sender's thread (never the loop's), so the
+    add finds it built. Raises InvalidParam("structured") for a grammar that does not compile. This is the one
+    compile a request's grammar gets: the server checks a schema's shape, not its grammar."""
+    spec = grammar_of(admission)
+    if spec is not None:
+        engine.grammars.compile(spec)
+
+
 def judge_safely(judge: Judge | None, lane: str, request, aborted: bool) -> Verdict | None:
     """A finished sequence's SLO verdict (None when aborted or nobody judges); a judge that raises is logged."""
     if aborted or judge is None:
@@ -81,7 +97,7 @@ class Sink(Protocol):
     """Where the loop's results go (called in the loop's thread)."""
 
     def deliver(self, batch: list[tuple[Any, StreamItem]]) -> None:
-        """Items for their groups: (group, item) in the order they happened."""
+        """Items with the token of the add they belong to: (token, item) in the order they happened."""
 
     def added(self, token: Any, count: int, error: BaseException | None) -> None:
         """The add command `token` (of `count` sequences) is done: all added (error None) or none."""
@@ -92,7 +108,8 @@ class Sink(Protocol):
 
 @dataclass(slots=True, eq=False)
 class _Tracked:
-    group: Any
+    admission: Admission
+    token: Any
     spec: SequenceSpec
     request: Request
 
@@ -154,8 +171,8 @@ class EngineLoop:
             changed = True
             try:
                 match cmd:
-                    case AddGroup(group, token):
-                        self._add(group, token)
+                    case AddGroup(admission, token, refused):
+                        self._add(admission, token, refused)
                     case AbortSequences(request_ids):
                         batch = [self._abort(rid) for rid in request_ids]
                         self._post([b for b in batch if b is not None])
@@ -166,17 +183,19 @@ class EngineLoop:
             except Exception:  # never let one command end the loop
                 log.exception("engine command %s failed", type(cmd).__name__)
 
-    def _add(self, group, token) -> None:
+    def _add(self, adm: Admission, token, refused: BaseException | None) -> None:
+        if refused is not None:
+            self.sink.added(token, len(adm.specs), refused)
+            return
         added: list[str] = []
         error: BaseException | None = None
         try:
-            for spec in group.specs:
+            for spec in adm.specs:
                 req = self.engine.add_request(spec.request_id, spec.prompt_token_ids, spec.params,
-                                              arrival_time=group.arrival_time, priority=group.priority,
-                                              itl_target=group.itl_target, lane=group.lane,
-                                              speculate=group.speculate)
-                req.clock.routed = group.routed_time
-                self._tracked[spec.request_id] = _Tracked(group, spec, req)
+                                              arrival_time=adm.arrival_time, priority=adm.priority,
+                                              itl_target=adm.itl_target, lane=adm.lane, speculate=adm.speculate)
+                req.clock.routed = adm.routed_time
+                self._tracked[spec.request_id] = _Tracked(adm, token, spec, req)
                 added.append(spec.request_id)
         except Exception as e:  # ValueError for bad input; anything else is also this request's problem only
             error = e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
@@ -184,7 +203,7 @@ class EngineLoop:
                 self._tracked.pop(rid, None)
                 self.engine.abort_request(rid)
         self.num_waiting = len(self.engine.scheduler.waiting)
-        self.sink.added(token, len(group.specs), error)
+        self.sink.added(token, len(adm.specs), error)
 
     def _abort(self, request_id: str) -> tuple[Any, StreamItem] | None:
         t = self._tracked.pop(request_id, None)
@@ -192,7 +211,7 @@ class EngineLoop:
             return None
         self.engine.abort_request(request_id)
         verdict = self._finish_hook(t, aborted=True)
-        return t.group, StreamItem(request_id, t.spec.index, None, verdict)
+        return t.token, StreamItem(request_id, t.spec.index, None, verdict)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         batch = []
@@ -204,8 +223,8 @@ class EngineLoop:
         self._post(batch)
 
     def _finish_hook(self, t: _Tracked, aborted: bool) -> Verdict | None:
-        verdict = judge_safely(self.judge, t.group.lane, t.request, aborted)
-        self._emit(FinishEvent(t.group.lane, t.request, aborted, verdict))
+        verdict = judge_safely(self.judge, t.admission.lane, t.request, aborted)
+        self._emit(FinishEvent(t.admission.lane, t.request, aborted, verdict))
         return verdict
 
     def _emit(self, event: EngineEvent) -> None:
@@ -236,7 +255,7 @@ class EngineLoop:
                     item.error = EngineError(delta.finish.error)
                 del self._tracked[delta.request_id]
                 item.verdict = self._finish_hook(t, aborted=delta.finish.error is not None)
-            batch.append((t.group, item))
+            batch.append((t.token, item))
         self._post(batch)
         if self.engine.last_stats is not None:
             self._emit(StepEvent(self.engine.last_stats))
@@ -252,7 +271,7 @@ class EngineLoop:
         self.num_running = len(sched.running)
         if not self.listeners:
             return
-        lanes = {rid: t.group.lane for rid, t in self._tracked.items()}
+        lanes = {rid: t.admission.lane for rid, t in self._tracked.items()}
         running = Counter(lanes.get(r.request_id, "default") for r in sched.running)
         waiting = Counter(lanes.get(r.request_id, "default") for r in sched.waiting)
         kv = self.engine.kv

@@ -1,5 +1,11 @@
-"""RequestGroup: the sequences of one HTTP request (a choice each: prompt i, sample j), and the StreamItems that
-arrive for them on the group's asyncio queue, whichever engine (a thread, a process, a replica) produced them.
+"""Admission and RequestGroup: the sequences of one HTTP request (a choice each: prompt i, sample j), what the
+engine needs to admit them, and the StreamItems that arrive for them on the group's asyncio queue, whichever
+engine (a thread, a process, a replica) produced them.
+
+`Admission` is the one form a request takes on its way to an engine: the server builds it once, and it crosses
+as it is to the engine's thread (AddGroup), to the engine process (the same AddGroup, pickled) and to a cluster
+replica (its times moved into Unix seconds, wire.py). `RequestGroup` is the event-loop side around it: the queue
+its items arrive on and the deltas added up.
 
 An item carries its sequence's RequestDelta (engine/outputs.py): only what one step changed. The group adds the
 deltas up as its reader takes them (`next`), so a streamed choice costs what its delta holds, and a sequence's
@@ -10,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from twospeed.engine.outputs import RequestDelta, SequenceOutput
 from twospeed.engine.request import RequestOutput
 from twospeed.engine.sampling_params import SamplingParams
-from twospeed.server.slo import Verdict
+from twospeed.schema.slo import Verdict
 
 
 @dataclass(slots=True)
@@ -50,19 +57,30 @@ class ShutdownError(RuntimeError):
     """The server shut down before this request finished."""
 
 
-@dataclass(eq=False)
-class RequestGroup:
-    """The sequences of one HTTP request and the queue their items arrive on (event-loop side)."""
+class EngineGone(ShutdownError):
+    """The engine (its process, every replica) is gone: nothing can be served until it is back (a 503)."""
+
+
+@dataclass(slots=True)
+class Admission:
+    """What an engine needs to admit one HTTP request's sequences: all of them or none."""
 
     lane: str
     priority: int
-    arrival_time: float
+    arrival_time: float  # monotonic seconds in the process holding it (Unix seconds on a cluster's wire)
     specs: list[SequenceSpec]
     itl_target: float | None = None  # seconds: the lane's tightest ITL objective (LaneSLO.itl_target)
     speculate: bool | None = None  # the lane's speculation policy (LaneSLO.speculate)
+    routed_time: float | None = None  # behind a router: arrival at this replica (arrival_time is at the router)
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """An admitted request on the event loop: its Admission and the queue its items arrive on."""
+
+    admission: Admission
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
-    routed_time: float | None = None  # behind a router: arrival at this replica (arrival_time is at the router)
     replica: str | None = None  # behind a router: the replica serving it (the x-twospeed-replica header)
     assemble: bool = True  # add the deltas up (False: a replica passing them on to its ingress as they come)
     seqs: dict[str, SequenceOutput] = field(default_factory=dict)  # request id -> its deltas so far
@@ -71,6 +89,31 @@ class RequestGroup:
         if self.assemble:
             self.seqs = {s.request_id: SequenceOutput(s.request_id, s.prompt_token_ids, s.params.logprobs is not None)
                          for s in self.specs}
+
+    @property
+    def lane(self) -> str:
+        return self.admission.lane
+
+    @property
+    def priority(self) -> int:
+        return self.admission.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.admission.arrival_time
+
+    @property
+    def specs(self) -> list[SequenceSpec]:
+        return self.admission.specs
+
+    @property
+    def routed_time(self) -> float | None:
+        return self.admission.routed_time
+
+    def admit(self) -> Admission:
+        """The admission to send, the group now waiting on every one of its sequences."""
+        self.unfinished = {s.request_id for s in self.specs}
+        return self.admission
 
     async def next(self) -> StreamItem:
         return self.take(await self.queue.get())
@@ -97,6 +140,16 @@ class RequestGroup:
     @property
     def done(self) -> bool:
         return not self.unfinished
+
+
+def resolve_future(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+    """Settle a future another thread answered (run on its event loop); a cancelled one stays as it is."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def deliver_items(batch: list[tuple[RequestGroup, StreamItem]]) -> None:

@@ -5,7 +5,7 @@ HTTP handlers talk to the loop through its command queue (add a group of sequenc
 from their group's asyncio.Queue; the thread hands each step's items to the event loop with one
 call_soon_threadsafe. The engine thread shares this process's GIL with the event loop: a busy loop (a /metrics
 render, JSON encoding) stretches the steps. `twospeed serve` therefore runs the engine in a process of its own
-(engine_process.py); this thread form is for an engine built in this process (tests, `LLM`-style embedding, and
+(process_engine.py); this thread form is for an engine built in this process (tests, `LLM`-style embedding, and
 Ray replicas that are already a process of their own).
 
 Build the engine in that thread (pass a builder, then `await ready()`): torch's OpenMP runtime (libgomp)
@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from twospeed.server.engine_loop import AbortSequences, AddGroup, EngineLoop, Judge
-from twospeed.server.events import Listener
-from twospeed.server.request_group import RequestGroup, StreamItem, deliver_items
-from twospeed.server.workers import resolve_future
+from twospeed.serving.engine_loop import AbortSequences, AddGroup, EngineLoop, Judge, compile_grammar, grammar_of
+from twospeed.serving.events import Listener
+from twospeed.serving.request_group import RequestGroup, StreamItem, deliver_items, resolve_future
 
 if TYPE_CHECKING:  # torch comes with it: a server whose engine steps in its own process never imports it
     from twospeed.engine.engine import LLMEngine
@@ -93,12 +92,15 @@ class AsyncEngine:
         return self._core.num_running
 
     async def add(self, group: RequestGroup) -> None:
-        """Add every sequence of the group, or none: raises ValueError (the first bad one's message)."""
+        """Add every sequence of the group, or none: raises ValueError (the first bad one's message). Its grammar
+        is compiled here, in a worker thread, never in the engine's."""
+        if grammar_of(group.admission) is not None and self.engine is not None:
+            await asyncio.to_thread(compile_grammar, self.engine, group.admission)
         future = asyncio.get_running_loop().create_future()
-        group.unfinished = {s.request_id for s in group.specs}
+        admission = group.admit()
         with self._lock:
             self._pending += len(group.specs)
-        self._core.submit(AddGroup(group, future))
+        self._core.submit(AddGroup(admission, (group, future)))
         try:
             await future
         except asyncio.CancelledError:  # the client left while we waited: the thread may have added them
@@ -111,22 +113,25 @@ class AsyncEngine:
             self._core.submit(AbortSequences(list(group.unfinished)))
 
     # -- the Sink the loop writes to (engine thread) ----------------------------------------------
-    def deliver(self, batch: list[tuple[RequestGroup, StreamItem]]) -> None:
-        self._loop.call_soon_threadsafe(deliver_items, batch)
+    def deliver(self, batch: list[tuple[tuple[RequestGroup, asyncio.Future], StreamItem]]) -> None:
+        self._loop.call_soon_threadsafe(deliver_items, [(group, item) for (group, _), item in batch])
 
-    def added(self, future: asyncio.Future, count: int, error: BaseException | None) -> None:
+    def added(self, token: tuple[RequestGroup, asyncio.Future], count: int, error: BaseException | None) -> None:
         with self._lock:
             self._pending -= count
-        self._loop.call_soon_threadsafe(resolve_future, future, error, None)
+        self._loop.call_soon_threadsafe(resolve_future, token[1], error, None)
 
     def flush(self) -> None:
         pass
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        from twospeed.engine.structured import warm_grammars  # llguidance: only where an engine runs
+
         try:
             if self._build is not None:
                 self.engine = self._core.engine = self._build()
+            warm_grammars(self.engine)  # here, not on the first structured request (structured.py)
         except BaseException as e:  # the handler awaiting ready() gets it; nothing to step
             self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
             return

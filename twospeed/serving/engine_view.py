@@ -2,7 +2,7 @@
 
 The server prepares and validates every request before the engine sees it (server/prepare.py, and the admission
 table, engine/admission.py), so a bad request gets its 400 without a round trip. That needs what a local
-LLMEngine offers read-only: the model's limits, the scheduler's config, the tokenizer and the grammar compiler.
+LLMEngine offers read-only: the model's limits, the scheduler's config and the tokenizer.
 EngineView offers exactly that surface, for an engine in a process of its own (engine_process.py) or for the
 replicas of a cluster (twospeed/cluster/: their facts checked to agree): the limits come from the engine that
 was built, the tokenizer is loaded here from the same checkpoint folder (on a multi-node cluster, the folder must
@@ -12,7 +12,6 @@ be at the same path on every node, as the replicas need it too).
 from __future__ import annotations
 
 import socket
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.engine_stats import EngineMemory
-from twospeed.engine.structured import grammar_compiler
 from twospeed.model.builtin import resolve_model_path
 
 if TYPE_CHECKING:
@@ -75,7 +73,7 @@ class EngineFacts:
 
 
 class EngineView:
-    """LLMEngine's read-only surface (config, limits, tokenizer, grammars, ...) for the engine every replica runs."""
+    """LLMEngine's read-only surface (config, limits, tokenizer, ...) for the engine every replica runs."""
 
     def __init__(self, facts: list[EngineFacts], tokenizer):
         first = facts[0]
@@ -92,8 +90,6 @@ class EngineView:
         self.scheduler_config = first.scheduler_config
         self.eos_token_ids = first.eos_token_ids
         self.num_blocks = sum(f.num_blocks for f in facts)  # the cluster's pool (the dashboard's share of blocks)
-        self._grammars = None
-        self._grammars_lock = threading.Lock()
         self.cost_model: LinearCostModel | None = None  # the first replica's, as it last reported it
         self.update_costs(first.cost_profile)
 
@@ -106,15 +102,6 @@ class EngineView:
         """One replica's formats and bytes, with the pool the cluster's (every replica's blocks)."""
         return replace(self.replicas[0].memory, num_blocks=self.num_blocks,
                                    max_tokens=sum(f.memory.max_tokens for f in self.replicas))
-
-    @property
-    def grammars(self):
-        """The engine's GrammarCompiler, built here as the engine builds its own (llguidance over this tokenizer):
-        a request's grammar is compiled, and so checked, before it is sent."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            return self._grammars
 
 
 def cost_profile(engine) -> dict | None:

@@ -1,0 +1,1 @@
+"""The vocabulary every layer shares (torch-free): lanes, SLO objectives and verdicts."""
