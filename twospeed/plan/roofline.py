@@ -202,9 +202,10 @@ def roofline_case(cfg: ModelConfig, peak_flops: float, bandwidth: float, prompt_
 
 
 def load_config(model: str) -> ModelConfig:
-    """ModelConfig of a built-in model ("demo", ...), an HF checkpoint folder, or a config.json path (weights
-    are not read)."""
+    """ModelConfig of a built-in model ("demo", ...), an HF checkpoint folder, a config.json path or a GGUF file
+    (weights are not read)."""
     from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.model.checkpoint_files import is_checkpoint_path
     from twospeed.model.loader import load_model_config
 
     if is_builtin(model):
@@ -212,7 +213,7 @@ def load_config(model: str) -> ModelConfig:
     path = Path(model)
     if path.is_file() and path.name == "config.json":
         path = path.parent
-    if not path.is_dir():
+    if not is_checkpoint_path(path):
         raise ValueError(f"model {model!r}: not 'demo' or another built-in model, a checkpoint folder, "
-                         "or a config.json file")
+                         "a config.json file or a .gguf file")
     return load_model_config(path)
