@@ -16,9 +16,10 @@ Prompt = str | list[int]
 class LLM:
     """LLM(model, **engine_options).generate(prompts, params) -> outputs with .text, .token_ids, .clock, .bill.
 
-    model is a Hugging Face checkpoint folder or a built-in ("demo": random weights; "demo-task": trained on the
-    lab's lane formats, built on first use); options are the fields of CacheConfig,
-    SchedulerConfig and EngineConfig (dtype, device, block_size, num_gpu_blocks, max_num_batched_tokens, ...).
+    model is a Hugging Face checkpoint folder, a GGUF file (or a folder holding one: dequantized at load,
+    model/gguf.py) or a built-in ("demo": random weights; "demo-task": trained on the lab's lane formats, built on
+    first use); options are the fields of CacheConfig, SchedulerConfig and EngineConfig (dtype, device, tokenizer,
+    block_size, num_gpu_blocks, max_num_batched_tokens, ...).
     """
 
     def __init__(self, model: str = "demo", **kwargs):
