@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from twospeed.config import ModelConfig
-from twospeed.model.checkpoint_files import CheckpointError
+from twospeed.model.checkpoint_files import CheckpointError, gguf_reader, release_gguf_reader
 from twospeed.model.loader import Checkpoint, summarize_formats, tensor_kind
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -81,13 +81,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        from gguf import GGUFReader
-
-        try:
-            self.reader = GGUFReader(path)
-        except Exception as e:  # a truncated or foreign file: the package's message names no file
-            raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
         from gguf import GGUFValueType
+
+        self.reader = gguf_reader(path)
 
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()
                          if not (name.startswith(_LARGE_KEYS) and field.types[:1] == [GGUFValueType.ARRAY])}
@@ -231,3 +227,4 @@ class GGUFCheckpoint(Checkpoint):
     def close(self) -> None:
         self.tensors.clear()
         self.reader = None
+        release_gguf_reader(self.path)

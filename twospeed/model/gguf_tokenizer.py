@@ -25,7 +25,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from twospeed.model.checkpoint_files import CheckpointError
+from twospeed.model.checkpoint_files import CheckpointError, gguf_reader
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """Every metadata value of a GGUF file (vocabularies as lists)."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
-    return {name: f.contents() for name, f in reader.fields.items()}
+    return {name: f.contents() for name, f in gguf_reader(path).fields.items()}
 
 
 def load_gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None) -> GGUFTokenizer:
