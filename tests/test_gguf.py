@@ -127,7 +127,7 @@ def encode(array: np.ndarray, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32, seed: int = 0,
-               name: str = "tiny") -> dict[str, tuple]:
+               name: str = "tiny", extra: dict[str, np.ndarray] | None = None) -> dict[str, tuple]:
     """Write `hf_model` (+ vocab) as llama.cpp's converter would; returns {gguf name: (qtype, bytes written)}."""
     cfg = hf_model.config
     rng = np.random.default_rng(seed)
@@ -172,6 +172,8 @@ def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32,
         data = encode(array, qtype, rng)
         w.add_tensor(name, data, raw_dtype=qtype if qtype not in (Q.F32, Q.F16) else None)
         written[name] = (qtype, data)
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -188,6 +190,8 @@ def tiny_hf(arch: str = "llama", vocab_size: int = 360, tie: bool = False, seed:
     kwargs = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab_size, "max_position_embeddings": 256,
               "tie_word_embeddings": tie, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    if "rope_parameters" in overrides:
+        del kwargs["rope_theta"]
     config = getattr(transformers, config_cls)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
@@ -501,3 +505,46 @@ def test_real_smollm2_chat_greedy_matches_transformers():
         assert ids == ref_tok(text, add_special_tokens=False)["input_ids"]
         out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
         assert list(out.token_ids) == hf_greedy(ref_model, ids, 32), prompt
+
+
+def test_pre_tokenizer_splits_are_transformers_regexes():
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from twospeed.model.gguf_tokenizer import _SPLITS
+
+    for name, regex in _SPLITS.items():
+        assert regex == GGUF_PRE_TOKENIZER_SPLITS[name], name
+
+
+def test_llama3_rope_freqs_tensor_is_the_llama3_rope(tmp_path):
+    """Llama 3.1 files carry the llama3 rope scaling as `rope_freqs` (one divisor per frequency, as llama.cpp's
+    converter computes it from the HF config): loaded, the model decodes as the HF model with that scaling."""
+    import math
+
+    from twospeed import LLM, SamplingParams
+    from twospeed.model.llama import rope_inv_freq
+    from twospeed.model.loader import load_model_config
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    vocab = spm_vocab()
+    hf = tiny_hf(vocab_size=len(vocab["tokens"]), seed=3, rope_parameters=rope)
+    factors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, 16, 2, dtype=np.float32) / 16)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < 16 / 4.0:
+            factors.append(1.0)
+        elif wavelen > 16 / 1.0:
+            factors.append(8.0)
+        else:
+            smooth = (16 / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    write_gguf(tmp_path / "l3.gguf", hf, "llama", vocab, extra={"rope_freqs.weight": np.array(factors, np.float32)})
+    ours = load_model_config(tmp_path / "l3.gguf")
+    assert ours.rope_scaling["rope_type"] == "freq_factors"
+    theirs = hf.model.rotary_emb.inv_freq
+    torch.testing.assert_close(rope_inv_freq(ours), theirs.float(), rtol=1e-6, atol=0)
+    llm = LLM(str(tmp_path / "l3.gguf"), dtype="float32", cost_probe=False)
+    prompt = list(range(300, 340))  # 40 positions: past the original 16
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert list(out.token_ids) == hf_greedy(hf, prompt, 12)
