@@ -385,9 +385,12 @@ def test_tokenizer_override_and_folder_with_one_gguf(bpe_model, tmp_path):
     override = LLM(str(file), tokenizer=str(tmp_path / "tok"), dtype="float32", cost_probe=False)
     assert override.tokenizer.chat_template is None  # the folder's tokenizer has none: it was used
     assert from_file.tokenizer.chat_template == CHAT_TEMPLATE
+    from twospeed.lab.prompts import TokenCounter
     from twospeed.plan.roofline import load_config
 
     assert load_config(str(file)) == load_config(str(folder)) == from_file.engine.model_config  # the planner reads it
+    counter = TokenCounter(file)  # the lab counts tokens as the server bills them
+    assert counter.exact and counter.count(TEXTS[2]) == len(trained.encode(TEXTS[2]).ids)
     for text in TEXTS:
         want = trained.encode(text).ids
         assert override.tokenizer.encode(text) == want

@@ -99,14 +99,15 @@ class PrefixReport:
 
 # -- input ------------------------------------------------------------------------------------------
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """A built-in model's tokenizer (default: the demo's), an HF checkpoint folder's, or a bare tokenizer.json
-    (no chat template)."""
+    """A built-in model's tokenizer (default: the demo's), an HF checkpoint folder's, a GGUF file's, or a bare
+    tokenizer.json (no chat template)."""
     from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.model.checkpoint_files import find_gguf
 
     if path is None or is_builtin(str(path)):
         return Tokenizer.from_pretrained(builtin_checkpoint_path(str(path or "demo")))
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() or find_gguf(p) is not None:
         return Tokenizer.from_pretrained(p)
     if p.is_file():
         import tokenizers

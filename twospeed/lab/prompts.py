@@ -31,8 +31,8 @@ CODES = ("RETAIL", "WHOLESALE", "LOGISTICS", "FINANCE", "SUPPORT", "UNKNOWN")
 
 
 class TokenCounter:
-    """Counts tokens as the target bills them: with the target model's tokenizer (a checkpoint folder, with its
-    chat template, or a bare tokenizer.json), else estimated at ~1.3 tokens a word.
+    """Counts tokens as the target bills them: with the target model's tokenizer (a checkpoint folder or GGUF file,
+    with its chat template, or a bare tokenizer.json), else estimated at ~1.3 tokens a word.
 
     `count` is the raw text; `billed` is the whole prompt as the server counts it: a completion prompt with the
     tokenizer's special tokens (BOS), a chat with its template's wrapper. `truncate` cuts text to a number of
@@ -42,10 +42,12 @@ class TokenCounter:
         self.tokenizer = None  # the `tokenizers` backend
         self.model_tokenizer = None  # twospeed's Tokenizer: special tokens and chat template too
         if tokenizer_path is not None:
+            from twospeed.model.checkpoint_files import find_gguf
+
             path = Path(tokenizer_path)
             file = path / "tokenizer.json" if path.is_dir() else path
-            if not file.is_file():
-                raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer.json there")
+            if not file.is_file() and find_gguf(path) is None:
+                raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer.json or .gguf file there")
             from twospeed.lab.prefix_score import load_tokenizer
 
             self.model_tokenizer = load_tokenizer(str(path))

@@ -85,9 +85,13 @@ def _tokenizer(args: argparse.Namespace) -> str | None:
 
     if is_builtin(args.model):
         return str(builtin_checkpoint_path(args.model))
+    from twospeed.model.checkpoint_files import find_gguf
+
     path = Path(args.model)
     folder = path.parent if path.is_file() else path
-    return str(folder) if (folder / "tokenizer.json").is_file() else None
+    if (folder / "tokenizer.json").is_file():
+        return str(folder)
+    return str(path) if find_gguf(path) is not None else None  # a GGUF's tokenizer is in its metadata
 
 
 def _scenario(args: argparse.Namespace, itl_from_goals: dict | None = None):
