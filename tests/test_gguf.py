@@ -127,7 +127,7 @@ def encode(array: np.ndarray, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32, seed: int = 0,
-               name: str = "tiny", extra: dict[str, np.ndarray] | None = None) -> dict[str, tuple]:
+               name: str = "tiny", extra: dict[str, np.ndarray] | None = None, skip: tuple = ()) -> dict[str, tuple]:
     """Write `hf_model` (+ vocab) as llama.cpp's converter would; returns {gguf name: (qtype, bytes written)}."""
     cfg = hf_model.config
     rng = np.random.default_rng(seed)
@@ -164,6 +164,8 @@ def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32,
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         name = gguf_name(hf)
+        if name in skip:
+            continue
         array = p.detach().float().numpy()
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
@@ -437,6 +439,16 @@ def test_unloadable_type_names_the_tensor(tmp_path):
         K_TYPES.remove(Q.Q2_K)
     with pytest.raises(CheckpointError, match=r"q2k\.gguf: tensor 'blk\.1\.ffn_down\.weight' is stored as Q2_K"):
         load_model(path)
+
+
+def test_missing_tensor_named_as_the_file_names_it(tmp_path):
+    from twospeed.model.loader import load_model
+
+    vocab = spm_vocab()
+    write_gguf(tmp_path / "m.gguf", tiny_hf(vocab_size=len(vocab["tokens"])), "llama", vocab,
+               skip=("blk.1.attn_k.weight",))
+    with pytest.raises(CheckpointError, match=r"m\.gguf: tensor 'blk\.1\.attn_k\.weight' is missing"):
+        load_model(tmp_path / "m.gguf")
 
 
 def test_unsupported_architecture_and_ambiguous_folder(tmp_path):

@@ -55,6 +55,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_MODEL_PARTS[base]}.{leaf}" if base in _MODEL_PARTS else None
 
 
+def gguf_tensor_name(hf_name: str) -> str:
+    """The HF name -> llama.cpp's (the inverse of hf_tensor_name, for messages about a tensor the file lacks)."""
+    base, _, leaf = hf_name.rpartition(".")
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        names = {v: k for k, v in _LAYER_PARTS.items()}
+        return f"blk.{layer}.{names.get(part, part)}.{leaf}"
+    return f"{ {v: k for k, v in _MODEL_PARTS.items()}.get(base, base)}.{leaf}"
+
+
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's reorder of a Q or K weight (or bias) with `num_heads` heads: within each head it stores
     row pairs (i, i + half) next to each other; HF's layout has the halves apart."""
@@ -73,7 +83,8 @@ def dequantize(tensor: Any) -> np.ndarray:
     from gguf.quants import dequantize as gguf_dequantize
 
     out = gguf_dequantize(tensor.data, tensor.tensor_type)  # F32: a view of the read-only map, copied below
-    return np.array(out, dtype=np.float32, copy=not out.flags.writeable).reshape(tuple(reversed(tensor.shape.tolist())))
+    out = np.array(out, dtype=np.float32, copy=not out.flags.writeable)
+    return out.reshape(tuple(reversed(tensor.shape.tolist())))
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -84,10 +95,10 @@ class GGUFCheckpoint(Checkpoint):
         from gguf import GGUFValueType
 
         self.reader = gguf_reader(path)
-
         self.metadata = {name: field.contents() for name, field in self.reader.fields.items()
                          if not (name.startswith(_LARGE_KEYS) and field.types[:1] == [GGUFValueType.ARRAY])}
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self._by_hf = {hf: n for n in self.tensors if (hf := hf_tensor_name(n)) is not None}
         self.arch = self.metadata.get("general.architecture")
         self._config: ModelConfig | None = None
 
@@ -206,13 +217,11 @@ class GGUFCheckpoint(Checkpoint):
     def tensor_names(self) -> list[tuple[str, str]]:
         return [(hf, self.path.name) for n in self.tensors if (hf := hf_tensor_name(n)) is not None]
 
-    def _gguf_name(self, hf_name: str) -> str:
-        if not hasattr(self, "_by_hf"):
-            self._by_hf = {hf_tensor_name(n): n for n in self.tensors}
-        return self._by_hf[hf_name]
+    def file_name(self, hf_name: str) -> str:
+        return self._by_hf.get(hf_name) or gguf_tensor_name(hf_name)
 
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        gguf_name = self._gguf_name(name)
+        gguf_name = self._by_hf[name]
         tensor = torch.from_numpy(dequantize(self.tensors[gguf_name]))
         if self.arch in ROTARY_PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
                                                                 "attn_k.bias")):

@@ -51,6 +51,10 @@ class Checkpoint(ABC):
         """Tensor `name` (an HF name from tensor_names), ready for its parameter; `dtype` is what the model computes
         in (a format that must convert anyway converts to it, the others may keep their own)."""
 
+    def file_name(self, hf_name: str) -> str:
+        """What the file calls tensor `hf_name` (for messages)."""
+        return hf_name
+
     @abstractmethod
     def formats(self) -> dict[str, str]:
         """How the file stores each kind of tensor (`tensor_kind`): {"attention": "Q4_1", "norm": "F32", ...}; a kind
@@ -218,20 +222,21 @@ def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint | str | Path, d
         tensor = ckpt.read(name, dtype) if targets else None
         for target, shard in targets:
             if target not in params:
-                raise CheckpointError(f"{fname}: unexpected tensor {name!r} for {model.cfg.architecture}")
+                raise CheckpointError(f"{fname}: unexpected tensor {ckpt.file_name(name)!r} for "
+                                      f"{model.cfg.architecture}")
             param = params[target]
             try:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
             except ShapeMismatch as e:
-                raise CheckpointError(f"{fname}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                raise CheckpointError(f"{fname}: tensor {ckpt.file_name(name)!r} has shape {tuple(tensor.shape)}, "
                                       f"expected {e.expected} from the checkpoint's config") from None
             loaded.setdefault(target, set()).add(shard)
     for target, param in params.items():
         shards = getattr(param, "num_shards", None)
         want = set(range(shards)) if shards else {None}
         for shard in sorted(want - loaded.get(target, set()), key=lambda x: -1 if x is None else x):
-            raise CheckpointError(f"{ckpt.path}: tensor {_hf_name(target, shard, model)!r} is missing from the "
-                                  "checkpoint")
+            raise CheckpointError(f"{ckpt.path}: tensor {ckpt.file_name(_hf_name(target, shard, model))!r} is "
+                                  "missing from the checkpoint")
 
 
 def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
