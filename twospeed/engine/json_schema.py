@@ -171,3 +171,53 @@ def _finite_as(kind: str, node: dict, finite: dict[str, bool]) -> bool:
         return all(_finite(prefix[i] if i < len(prefix) else items, finite)
                    for i in range(min(needed, len(prefix) + 1)))
     return True
+
+
+# -- closed objects: only the declared properties --------------------------------------------------------
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                  "unevaluatedItems")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of the schema whose objects admit only their declared properties: every object subschema that says
+    nothing about other properties gets `additionalProperties: false`.
+
+    JSON Schema's default admits any other property, so a grammar compiled from a tool's parameters lets the
+    model write arguments the function never declared, and it does (a 135M model invents "description" fields
+    until max_tokens). OpenAI's strict mode and xgrammar (vLLM's default) close objects the same way. Left open:
+    an object that states `additionalProperties`, `patternProperties` or `unevaluatedProperties` (its own rule);
+    an object whose properties are also declared by `allOf`/`anyOf`/`oneOf` branches beside its own, and those
+    branches (each is a part of one object: closed, they would refuse each other's properties); and `allOf`
+    branches. The objects inside all of them are closed. An `anyOf` of whole objects (no properties beside it)
+    closes each alternative."""
+    return _close(schema, part=False)
+
+
+def _close(schema: Any, part: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    composed = any(isinstance(out.get(k), list) for k in ("allOf", "anyOf", "oneOf"))
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(sub, False) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(sub, is_object and key != "prefixItems") for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_close(sub, True) for sub in out["allOf"]]
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key], False)
+    if isinstance(out.get("items"), list):  # draft 4-7 tuple form
+        out["items"] = [_close(sub, False) for sub in out["items"]]
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _close(out["additionalProperties"], False)
+    if is_object and not part and not composed and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out

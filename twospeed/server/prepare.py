@@ -19,6 +19,7 @@ from typing import Any
 from twospeed.serving.request_group import SequenceSpec
 from twospeed.server.body import load_body, validate_sliced
 from twospeed.server.errors import APIError, UnsupportedValue
+from twospeed.server.tool_calls import fold_tools, template_renders_tools
 from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                       TokenizeCompletionRequest)
 
@@ -39,6 +40,14 @@ class Preparer:
 
     def __init__(self, state):
         self.state = state
+        self._renders_tools: bool | None = None  # whether the chat template shows `tools` (probed once)
+
+    def _template_renders_tools(self) -> bool:
+        if self._renders_tools is None:
+            tokenizer = self.state.tokenizer
+            self._renders_tools = template_renders_tools(
+                lambda m, tools: tokenizer.apply_chat_template(m, add_generation_prompt=True, tools=tools))
+        return self._renders_tools
 
     # -- endpoints ------------------------------------------------------------------------------
     def completion(self, raw: bytes) -> Prepared:
@@ -57,7 +66,8 @@ class Preparer:
 
     def chat(self, raw: bytes) -> Prepared:
         body = self._parse(raw, ChatCompletionRequest)
-        text = self._render(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
+        text = self._render(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs,
+                            body.tool_mode)
         (ids,) = self._encode([text], False, "messages")  # the template carries its own special tokens, as HF
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
@@ -76,7 +86,8 @@ class Preparer:
             if body.continue_final_message:
                 raise APIError(400, "continue_final_message is not supported by this server",
                                param="continue_final_message")
-            text = self._render(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
+            text = self._render(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs,
+                                "auto")
             param = "messages"
         else:
             text, param = body.prompt, "prompt"
@@ -120,12 +131,18 @@ class Preparer:
             raise APIError(400, "text needs a tokenizer (the server was started with skip_tokenizer_init); "
                                 "send token ids", param=param)
 
-    def _render(self, messages, add_generation_prompt: bool, tools, kwargs) -> str:
+    def _render(self, messages, add_generation_prompt: bool, tools, kwargs, tool_mode: str) -> str:
+        """The conversation as the chat template renders it. Tools go to the template where it shows them to the
+        model; where it does not (rendering with and without tools gives the same text), they are described in
+        the system message (tool_calls.fold_tools), so a call can be asked for and parsed back all the same."""
         self._need_tokenizer("messages")
+        tokenizer = self.state.tokenizer
+        turns = [m.to_template() for m in messages]
         try:
-            return self.state.tokenizer.apply_chat_template([m.to_template() for m in messages],
-                                                            add_generation_prompt=add_generation_prompt,
-                                                            tools=tools or None, **(kwargs or {}))
+            if tools and not self._template_renders_tools():
+                turns, tools = fold_tools(turns, tools, tool_mode), None
+            return tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools or None, **(kwargs or {}))
         except APIError:
             raise
         except Exception as e:  # a template's raise_exception, a missing field, no template at all

@@ -12,7 +12,10 @@ x-twospeed-lane header) and `speculate` (false: no speculative decoding for this
 request, whatever the server's --spec-method).
 
 Structured output: `response_format` (json_object, json_schema) on both endpoints, and `tools` +
-`tool_choice` on chat, become a StructuredOutput the engine compiles (llguidance). A tool call is
+`tool_choice` on chat, become a StructuredOutput the engine compiles (llguidance). Objects in those schemas
+admit only their declared properties (engine/json_schema.closed, as OpenAI's strict mode and xgrammar) unless
+the schema says otherwise; `"strict": false` on the json_schema or the function restores JSON Schema's open
+default. A tool call is
 generated as one compact JSON object {"name": ..., "arguments": {...}} whose arguments follow the
 function's parameters schema; with tool_choice "auto" the grammar allows either that object or free
 text that does not start with "{" (so the first character decides, and streaming can pass text through).
@@ -126,8 +129,9 @@ class _SamplingRequest(_Model):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
                 raise UnsupportedValue("response_format", "response_format json_schema needs a \"json_schema\" "
                                                           "object with a \"schema\" (a JSON schema object)")
-            schema = spec.get("schema", {"type": "object"})
-            return StructuredOutput(json=check_schema(schema, "response_format", "response_format.json_schema.schema"))
+            schema = check_schema(spec.get("schema", {"type": "object"}), "response_format",
+                                  "response_format.json_schema.schema")
+            return StructuredOutput(json=schema if spec.get("strict") is False else json_schema.closed(schema))
         raise UnsupportedValue("response_format", f"response_format type {rf.get('type')!r} is not supported "
                                                   "(use text, json_object or json_schema)")
 
@@ -245,7 +249,8 @@ class ChatCompletionRequest(_SamplingRequest):
             if name in out:
                 raise UnsupportedValue("tools", f"tools[{i}]: function {name!r} is defined twice")
             params = fn.get("parameters", {"type": "object", "properties": {}})
-            out[name] = check_schema(params, "tools", f"tools[{i}].function.parameters")
+            params = check_schema(params, "tools", f"tools[{i}].function.parameters")
+            out[name] = params if fn.get("strict") is False else json_schema.closed(params)
         return out
 
     @property

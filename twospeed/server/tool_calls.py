@@ -85,3 +85,85 @@ def partial_call(text: str, functions: dict[str, dict]) -> dict | None:
         prefix = head.group(1)
     names = [n for n in functions if (n == prefix if head.group(2) else n.startswith(prefix))]
     return {"name": names[0] if len(names) == 1 else "", "arguments": head.group(3) or ""}
+
+
+# -- tools for a chat template that does not render them --------------------------------------------------
+_PROBE_TOOL = {"type": "function", "function": {"name": "twospeed_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def template_renders_tools(render) -> bool:
+    """Whether a chat template shows the model its tools: render(messages, tools) with a probe tool and without
+    one must differ, and the tool's name must appear. Many templates (SmolLM2's ChatML, most base-model ones) have
+    no tool section and drop `tools` silently."""
+    try:
+        with_tool = render(_PROBE_MESSAGES, [_PROBE_TOOL])
+        without = render(_PROBE_MESSAGES, None)
+    except Exception:  # a template that fails on the probe: let the real request show its own error
+        return True
+    return with_tool != without and "twospeed_probe_tool" in with_tool
+
+
+def tool_preamble(tools: list[dict], mode: str) -> str:
+    """The system text that describes the tools and the call format (the same compact object the call grammar
+    generates and parse_call reads back), for `mode`: "auto", "required", "none" or a function's name."""
+    lines = ["You have these tools (functions):"]
+    for tool in tools:
+        fn = tool["function"]
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        lines.append(f"- {fn['name']}: {fn.get('description') or '(no description)'}")
+        lines.append(f"  arguments (JSON schema): {json.dumps(params, separators=(',', ':'))}")
+    call = 'reply with only one JSON object, {"name": <the function name>, "arguments": {<its arguments>}}, ' \
+           "and nothing else"
+    if mode == "auto":
+        lines.append(f"To call a tool, {call}. Otherwise answer in plain text.")
+    elif mode == "required":
+        lines.append(f"Call one of these tools now: {call}.")
+    elif mode == "none":
+        lines.append("Do not call a tool now: answer in plain text.")
+    else:
+        lines.append(f"Call the function {mode} now: {call}.")
+    return "\n".join(lines)
+
+
+def fold_tools(messages: list[dict], tools: list[dict], mode: str) -> list[dict]:
+    """The conversation for a template without a tool section: the tool preamble leads the system message (one is
+    added if there is none), an assistant's earlier calls become its text (the JSON objects it generated) and a
+    tool's result becomes a user message naming the call it answers, merged with a user message beside it (a
+    template may insist that roles alternate)."""
+    preamble = tool_preamble(tools, mode)
+    out: list[dict] = []
+    if not messages or messages[0].get("role") != "system":
+        out.append({"role": "system", "content": preamble})
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if i == 0 and role == "system":
+            out.append({"role": "system", "content": f"{preamble}\n\n{content}" if content else preamble})
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = [_call_text(c) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
+        elif role in ("tool", "function"):
+            ref = m.get("tool_call_id") or m.get("name") or ""
+            _append_user(out, f"Tool result ({ref}): {content}")
+        elif role == "user":
+            _append_user(out, content)
+        else:
+            out.append({"role": role, "content": content})
+    return out
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function") or {}
+    try:
+        arguments = json.loads(fn.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        arguments = fn.get("arguments")
+    return json.dumps({"name": fn.get("name"), "arguments": arguments}, separators=(",", ":"))
+
+
+def _append_user(out: list[dict], content) -> None:
+    if out and out[-1]["role"] == "user":
+        out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{content}"}
+    else:
+        out.append({"role": "user", "content": content})
