@@ -479,7 +479,8 @@ def tokenizer_pairs(bpe_model, tmp_path_factory):
     return pairs
 
 
-PIECES = list(" \n\t.,'!0123456789éüßçñ日本語中文한국🙂👩‍💻") + SPECIALS + ["the", " model", "  ", "<0x41>", "▁"]
+PIECES = list(" \n\t.,'!0123456789éüßçñ日本語中文한국🙂👩‍💻") + SPECIALS + ["the", " model", "  ", "<0x41>", "▁", "<s>", "</s>",
+                                                                       "<unk>"]
 TEXT = st.lists(st.one_of(st.sampled_from(PIECES), st.characters(codec="utf-8", exclude_categories=("Cs",))),
                 max_size=30).map("".join)
 

@@ -9,8 +9,8 @@ metadata. Two vocabularies of the Llama family are rebuilt here, as transformers
 - `llama`: SentencePiece BPE: merges from the file or, as usual, recovered from the scores; "▁" for spaces, a
   prefix space on the first word, byte fallback (<0x..> tokens) for characters the vocabulary lacks.
 
-Control tokens become special added tokens (never split, dropped by skip_special_tokens), user-defined ones
-plain added tokens; BOS/EOS (and llama.cpp's end-of-turn ids) and add_bos come from the metadata, the chat
+Control and unknown tokens become special added tokens (matched whole, as llama.cpp matches them; dropped by
+skip_special_tokens), user-defined ones plain added tokens; BOS/EOS (and llama.cpp's end-of-turn ids) and add_bos come from the metadata, the chat
 template from `tokenizer.chat_template`.
 """
 
@@ -29,7 +29,7 @@ from twospeed.model.checkpoint_files import CheckpointError, gguf_reader
 
 log = logging.getLogger(__name__)
 
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (gguf.TokenType)
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp's token types (gguf.TokenType)
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -90,11 +90,14 @@ def load_gguf_tokenizer(path: str | Path, metadata: dict[str, Any] | None = None
     ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in
            (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
             ("pad_token", "padding_token_id"))}
+    if ids["unk_token"] is None:  # the token typed UNKNOWN is the unknown token (SentencePiece's <unk>)
+        ids["unk_token"] = next((i for i, ty in enumerate(types) if ty == UNKNOWN), None)
     special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
     vocab = backend.get_vocab()
     # A byte-level vocabulary spells every token in its byte alphabet: a control token outside it is a mislabel
     # that would grow the vocabulary past the model's, so it stays out (as transformers leaves it).
-    controls = [t for t, ty in zip(tokens, types) if ty == CONTROL and (spelled is None or set(t) <= spelled)]
+    controls = [t for t, ty in zip(tokens, types)
+                if ty in (CONTROL, UNKNOWN) and (spelled is None or set(t) <= spelled)]
     controls += [t for t in special.values() if t not in controls and t in vocab]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in controls])
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
