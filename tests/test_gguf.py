@@ -127,7 +127,8 @@ def encode(array: np.ndarray, qtype, rng) -> np.ndarray:
 
 
 def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32, seed: int = 0,
-               name: str = "tiny", extra: dict[str, np.ndarray] | None = None, skip: tuple = ()) -> dict[str, tuple]:
+               name: str = "tiny", extra: dict[str, np.ndarray] | None = None, skip: tuple = (),
+               meta: dict | None = None) -> dict[str, tuple]:
     """Write `hf_model` (+ vocab) as llama.cpp's converter would; returns {gguf name: (qtype, bytes written)}."""
     cfg = hf_model.config
     rng = np.random.default_rng(seed)
@@ -142,7 +143,10 @@ def write_gguf(path, hf_model, arch: str, vocab: dict, types=lambda name: Q.F32,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    for key, value in (meta or {}).items():  # extra metadata, or in place of the usual
+        (w.add_string if isinstance(value, str) else w.add_uint32)(f"{arch}.{key}", value)
+    if "rope.dimension_count" not in (meta or {}):
+        w.add_rope_dimension_count(head_dim)
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -449,6 +453,32 @@ def test_missing_tensor_named_as_the_file_names_it(tmp_path):
                skip=("blk.1.attn_k.weight",))
     with pytest.raises(CheckpointError, match=r"m\.gguf: tensor 'blk\.1\.attn_k\.weight' is missing"):
         load_model(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"rope.dimension_count": 8}, r"rotary embedding over 8 of 16 head dimensions \(partial rotary\)"),
+    ({"expert_count": 4}, r"a mixture of experts \(4 experts\)"),
+    ({"rope.scaling.type": "yarn"}, r"rope scaling 'yarn' is not supported"),
+    ({"attention.value_length": 8}, r"value heads of 8 dimensions beside key heads of 16"),
+])
+def test_metadata_the_model_cannot_honour_is_refused_by_name(tmp_path, meta, message):
+    from twospeed.model.loader import load_model_config
+
+    vocab = spm_vocab()
+    write_gguf(tmp_path / "m.gguf", tiny_hf(vocab_size=len(vocab["tokens"])), "llama", vocab, meta=meta)
+    with pytest.raises(CheckpointError, match=r"m\.gguf: " + message):
+        load_model_config(tmp_path / "m.gguf")
+
+
+def test_mistral_named_llama_file_and_sliding_window(tmp_path):
+    from twospeed.model.loader import load_model_config
+
+    vocab = spm_vocab()
+    write_gguf(tmp_path / "m.gguf", tiny_hf(vocab_size=len(vocab["tokens"])), "llama", vocab,
+               name="Mistral 7B Instruct v0.1", meta={"attention.sliding_window": 32})
+    cfg = load_model_config(tmp_path / "m.gguf")
+    assert (cfg.architecture, cfg.sliding_window, cfg.bos_token_id, cfg.eos_token_ids) == (
+        "MistralForCausalLM", 32, 1, (2,))
 
 
 def test_unsupported_architecture_and_ambiguous_folder(tmp_path):
