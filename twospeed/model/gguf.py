@@ -9,7 +9,8 @@ and a part llama.py has no place for is an error that names it, never a tensor s
 Two things differ from a safetensors checkpoint:
 
 - Weights are stored in llama.cpp's block formats (Q4_0 ... Q6_K) or as floats; each is dequantized at load,
-  with the package's own `gguf.quants.dequantize`, into the dtype the model computes in. The file's format per
+  with the package's own `gguf.quants.dequantize`, to float32 (exact), then stored by its parameter in the
+  dtype the model computes in (or quantized to int8 / fp8 from those exact values). The file's format per
   kind of tensor is kept (`formats`), for /v1/models to report.
 - llama.cpp's converter reorders the rows of Q and K in llama-architecture files so that its rotary embedding
   (which rotates adjacent pairs) computes what HF's (which rotates the two halves of a head) does; the reorder
@@ -220,14 +221,14 @@ class GGUFCheckpoint(Checkpoint):
     def file_name(self, hf_name: str) -> str:
         return self._by_hf.get(hf_name) or gguf_tensor_name(hf_name)
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         gguf_name = self._by_hf[name]
         tensor = torch.from_numpy(dequantize(self.tensors[gguf_name]))
         if self.arch in ROTARY_PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
                                                                 "attn_k.bias")):
             cfg = self.model_config()
             tensor = unpermute_rotary(tensor, cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads)
-        return tensor.to(dtype)
+        return tensor
 
     def formats(self) -> dict[str, str]:
         return summarize_formats([(tensor_kind(hf), t.tensor_type.name) for n, t in self.tensors.items()

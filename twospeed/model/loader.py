@@ -47,9 +47,10 @@ class Checkpoint(ABC):
         """(HF tensor name, the file holding it: for messages) of every tensor in the checkpoint."""
 
     @abstractmethod
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Tensor `name` (an HF name from tensor_names), ready for its parameter; `dtype` is what the model computes
-        in (a format that must convert anyway converts to it, the others may keep their own)."""
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` (an HF name from tensor_names) in HF's layout: in its stored dtype, or in float32 where the
+        file's format is decoded (exactly); its parameter's weight_loader casts it to the compute dtype, or
+        quantizes it from these exact values."""
 
     def file_name(self, hf_name: str) -> str:
         """What the file calls tensor `hf_name` (for messages)."""
@@ -175,7 +176,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def tensor_names(self) -> list[tuple[str, str]]:
         return [(name, f.name) for name, f in self._weight_files().items()]
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
         return self._handle(self._weight_files()[name]).get_tensor(name)
 
     def formats(self) -> dict[str, str]:
@@ -208,18 +209,17 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return open_checkpoint(path).model_config()
 
 
-def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint | str | Path, dtype: torch.dtype | None = None) -> None:
+def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint | str | Path) -> None:
     """Hand every tensor of the checkpoint to the parameter it loads into (its `weight_loader`: a format owns its
     tensors, model/weight_format.py), checking names, shapes and that nothing is missing."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
-    dtype = dtype or torch.get_default_dtype()
     params = dict(model.named_parameters())
     loaded: dict[str, set[int | None]] = {}
     for name, fname in ckpt.tensor_names():
         if name.endswith(IGNORED_SUFFIXES):
             continue
         targets = model.checkpoint_targets(name)
-        tensor = ckpt.read(name, dtype) if targets else None
+        tensor = ckpt.read(name) if targets else None
         for target, shard in targets:
             if target not in params:
                 raise CheckpointError(f"{fname}: unexpected tensor {ckpt.file_name(name)!r} for "
@@ -272,7 +272,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
         with torch.device(device):
             model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt, make_kv_format(kv_cache_dtype))
             model.requires_grad_(False)
-            load_weights(model, ckpt, dtype)
+            load_weights(model, ckpt)
             model.finish_loading()
         model.checkpoint_formats = ckpt.formats()
     finally:
