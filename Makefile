@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-task fuzz mutation bench clean
+.PHONY: demo test test-task test-real fuzz mutation bench clean
 
 # One install for both targets: the project, its test extras and the cluster extra (Ray Serve, for
 # `serve --replicas` and its tests), and torch pinned first so that nothing can pull a CUDA build.
@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,cluster]"
 	@touch $@
 
-# The latency lab on the trained built-in model: build `demo-task` on first use (minutes, once), serve it with
-# chunked prefill on, then off; replay a short `tasks` workload against each; print the comparison and each
-# run's diagnosis (under a minute on two cores once the model is built).
+# The latency lab on a real instruct model: fetch the built-in `smollm2` on first use (SmolLM2-135M-Instruct,
+# ~100 MB, once), serve it with chunked prefill on, then off; replay a short `tasks` workload against each as
+# chat requests; print the comparison and each run's diagnosis.
 demo: $(STAMP)
 	$(VENV)/bin/twospeed lab-demo
 
@@ -28,6 +28,10 @@ test: $(STAMP)
 # The tests that need the trained demo-task (built once into TWOSPEED_CACHE, about ten minutes on two cores).
 test-task: $(STAMP)
 	$(PY) -m pytest -m task_model
+
+# The tests on the built-in real model, smollm2 (fetched once into TWOSPEED_CACHE, ~100 MB).
+test-real: $(STAMP)
+	$(PY) -m pytest -m real_model -s
 
 # The wide randomized search: the hypothesis tests once per seed, 1..FUZZ_SEEDS, under the `fuzz` profile.
 # A failure names its seed; `pytest -m hypothesis --hypothesis-profile=fuzz --hypothesis-seed=N` replays it.

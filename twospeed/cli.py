@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "and say ship or no-ship per lane (exit code 1 on any no-ship)")
     lab.add_gate_args(gate)
     gate.set_defaults(func=lab.run_gate_command)
-    lab_demo = sub.add_parser("lab-demo", help="serve demo-task with chunked prefill on, then off; compare")
+    lab_demo = sub.add_parser("lab-demo", help="serve smollm2 (or demo-task) with chunked prefill on, then off; compare")
     lab.add_lab_demo_args(lab_demo)
     lab_demo.set_defaults(func=lab.run_lab_demo_command)
     args = parser.parse_args(argv)

@@ -61,6 +61,7 @@ class BenchConfig:
     # every 0.5 s its steps ran 2-3x slower at 3 req/s (the lab measured a server it was slowing down)
     metrics_period: float = 2.0
     prompts: str | None = None  # every lane's prompts: "synthetic" | "task" (the task corpus); None = the lanes'
+    endpoint: str | None = None  # every lane's endpoint: "completions" | "chat" (an instruct model); None = the lanes'
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -104,7 +105,11 @@ def _model_config(path) -> dict:
 def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | str | None]:
     """Load and check everything that can be wrong before any traffic is sent."""
     workload = load_workload(cfg.workload)
+    if cfg.endpoint is not None and cfg.endpoint not in ("completions", "chat"):
+        raise ValueError(f"endpoint must be completions or chat, got {cfg.endpoint!r}")
     for lane in workload.lanes:
+        if cfg.endpoint is not None:
+            lane.endpoint = cfg.endpoint
         for gate in lane.gates():
             gates.check_config(gate)
     if cfg.price:

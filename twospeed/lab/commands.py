@@ -127,18 +127,20 @@ def run_compare_command(args: argparse.Namespace) -> int:
 
 def add_lab_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=20, help="requests per run")
-    p.add_argument("--rate", type=float, default=1.5, help="total requests/s")
+    p.add_argument("--rate", type=float, default=1.0, help="total requests/s")
     p.add_argument("--scale", type=float, default=1.0,
                    help="prompt length scale (the tasks workload is sized for demo-task's training lengths)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/lab-demo", help="folder for the two runs")
+    p.add_argument("--model", default="smollm2", choices=("smollm2", "demo-task"),
+                   help="smollm2 (a real instruct model, fetched once) or demo-task (trained here, minutes once)")
 
 
 def run_lab_demo_command(args: argparse.Namespace) -> int:
     from twospeed.lab.demo import run_lab_demo
 
     try:
-        return run_lab_demo(args.requests, args.rate, args.scale, args.seed, args.out)
+        return run_lab_demo(args.requests, args.rate, args.scale, args.seed, args.out, args.model)
     except (ValueError, RuntimeError, ConnectionError, OSError) as e:
         print(f"twospeed lab-demo: {e}", file=sys.stderr)
         return 2

@@ -117,7 +117,9 @@ def load_tokenizer(facts: EngineFacts):
         return None
     from twospeed.model.tokenizer import Tokenizer
 
+    if facts.config.tokenizer:  # --tokenizer: the engine loaded that one
+        return Tokenizer.from_pretrained(facts.config.tokenizer)
     path = Path(facts.model_path)
-    if not path.is_dir():
+    if not path.exists():
         path = resolve_model_path(facts.config.model)
     return Tokenizer.from_pretrained(path)
