@@ -286,3 +286,18 @@ def test_a_long_stream_costs_the_same_per_step_at_its_end_as_at_its_start():
     assert max(late) <= max(early) + 64, (max(early), max(late))  # bytes on the pipe: flat
     early, late = sorted(peaks[i] for i in range(100, 600)), sorted(peaks[i] for i in range(n - 600, n - 100))
     assert late[len(late) // 2] <= 1.25 * early[len(early) // 2] + 2048, (early[len(early) // 2], late[len(late) // 2])
+
+
+def test_the_server_side_loads_the_tokenizer_the_engine_was_told_to():
+    """--tokenizer FOLDER: the server's view loads that folder's tokenizer, as the engine did, not the checkpoint's."""
+    import dataclasses
+
+    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.serving.engine_view import EngineFacts, load_tokenizer
+
+    facts = EngineFacts.of(LLMEngine(CONFIG), "engine", "i", "1")
+    assert load_tokenizer(facts).encode("hello") == LLMEngine(CONFIG).tokenizer.encode("hello")
+    other = dataclasses.replace(facts, model_path="/nonexistent",
+                                config=dataclasses.replace(facts.config, model="/nonexistent",
+                                                           tokenizer=str(demo_checkpoint_path())))
+    assert load_tokenizer(other).vocab_size == load_tokenizer(facts).vocab_size
