@@ -172,6 +172,55 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     assert sampler(logits[None].clone(), [req])[0] == [2]
 
 
+def _reference_adjust(row: list[float], prompt: list[int], output: list[int], p: SamplingParams) -> list[float]:
+    """logit_bias, then repetition (prompt and output: divide a positive logit, multiply a negative one), then
+    frequency and presence (output): vLLM's order and OpenAI's / HF's definitions, token by token."""
+    out = list(row)
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    if p.repetition_penalty != 1.0:
+        for t in set(prompt) | set(output):
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(output):
+        out[t] -= output.count(t) * p.frequency_penalty + p.presence_penalty
+    return out
+
+
+VOCAB = 12
+_penalty_params = st.builds(
+    lambda fp, pp, rp, bias: SamplingParams(temperature=0.0, frequency_penalty=fp, presence_penalty=pp,
+                                            repetition_penalty=rp, logit_bias=bias or None),
+    st.floats(-2, 2), st.floats(-2, 2), st.floats(0.1, 3.0),
+    st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-20, 20), min_size=VOCAB, max_size=VOCAB), st.lists(st.integers(0, VOCAB - 1), min_size=1,
+       max_size=6), st.lists(st.integers(0, VOCAB - 1), max_size=8), _penalty_params,
+       st.lists(st.integers(0, VOCAB - 1), max_size=3))
+def test_logit_bias_and_penalties_match_the_reference_and_greedy_takes_their_argmax(row, prompt, output, p, draft):
+    """Each row adjusted exactly as the token-by-token reference; a plain row beside it untouched; in verify, row j
+    counts the drafts before it as output."""
+    req = Request("r", prompt, p, max_output_tokens=64)
+    req.output_token_ids.extend(output)
+    plain = Request("q", prompt, SamplingParams(temperature=0.0), max_output_tokens=64)
+    plain.output_token_ids.extend(output)
+    logits = torch.tensor([row, row], dtype=torch.float64)
+    adjusted = Sampler._adjust(logits, [req, plain])
+    expected = _reference_adjust(row, prompt, output, p)
+    assert torch.allclose(adjusted[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-9)
+    assert torch.equal(adjusted[1], logits[1])
+    tokens, _ = Sampler(CPU)(logits.float(), [req, plain])
+    exp = torch.tensor(expected, dtype=torch.float32)
+    assert exp[tokens[0]] == exp.max()
+    rows = [req] * (len(draft) + 1)
+    before = [draft[:j] for j in range(len(draft) + 1)]
+    verify = Sampler._adjust(torch.tensor([row] * len(rows), dtype=torch.float64), rows, before)
+    for j in range(len(rows)):
+        ref = _reference_adjust(row, prompt, output + draft[:j], p)
+        assert torch.allclose(verify[j], torch.tensor(ref, dtype=torch.float64), rtol=1e-12, atol=1e-9)
+
+
 def test_logprobs_are_of_the_raw_distribution():
     sampler = Sampler(CPU, seed=0)
     logits = torch.randn(5, 60, generator=torch.Generator().manual_seed(3)) * 3

@@ -174,6 +174,43 @@ def test_completions_match_llm_generate(client, reference, sampling):
         assert text == ref.text
 
 
+def test_sampling_controls_match_llm_generate(client, reference):
+    """OpenAI's logit_bias and penalties and vLLM's repetition_penalty, served: the tokens LLM.generate gives with
+    the same parameters (whose sampler is checked against a reference in tests/test_sampling.py), different from
+    the plain answer, and a +100 bias takes every greedy token."""
+    plain = reference.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    controls = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(repetition_penalty=1.8),
+                dict(logit_bias={plain.token_ids[0]: -100.0, plain.token_ids[1]: -50.0})]
+    for extra in controls:
+        ref = reference.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                             **extra))[0]
+        assert ref.token_ids != plain.token_ids, extra
+        body = {**extra, "logit_bias": {str(k): v for k, v in extra["logit_bias"].items()}} if "logit_bias" in extra \
+            else dict(extra)
+        openai_fields = {k: body.pop(k) for k in ("frequency_penalty", "presence_penalty", "logit_bias") if k in body}
+        r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True, **body},
+                                      **openai_fields)
+        assert r.choices[0].token_ids == ref.token_ids, extra
+    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=6, temperature=0.0,
+                                  logit_bias={"777": 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == [777] * 6
+
+
+def test_vllm_guided_fields_constrain_the_output(client):
+    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=3, n=4,
+                                  extra_body={"guided_choice": ["prefill", "decode"]})
+    assert {c.text for c in r.choices} <= {"prefill", "decode"}
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=40,
+                                       temperature=1.0, seed=4, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", r.choices[0].message.content)
+    schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 99}}}
+    r = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=5,
+                                  extra_body={"structured_outputs": {"json": schema}})
+    assert set(json.loads(r.choices[0].text)) == {"n"}
+
+
 def test_chat_matches_llm_generate(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What sets TTFT?"}]
     tok = reference.tokenizer
@@ -363,8 +400,19 @@ BAD = [
     ("completions", {"model": "demo", "prompt": "hi", "min_tokens": 9, "max_tokens": 2}, None),
     ("completions", {"model": "demo", "prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"model": "demo", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"model": "demo", "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"model": "demo", "prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", {"model": "demo", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"five": 10}}, "logit_bias"),
+    ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"99999999": 10}}, "logit_bias"),
+    ("completions", {"model": "demo", "prompt": "hi", "min_tokens": 10**23, "max_tokens": None}, "min_tokens"),
+    ("completions", {"model": "demo", "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs"),
+    ("completions", {"model": "demo", "prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"model": "demo", "prompt": "hi", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("completions", {"model": "demo", "prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("completions", {"model": "demo", "prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ("completions", {"model": "demo", "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
     ("completions", {"model": "demo", "prompt": "hi", "best_of": 3}, "best_of"),
     ("completions", {"model": "demo", "prompt": "hi", "suffix": "tail"}, "suffix"),
     ("completions", {"model": "demo", "prompt": [5, 10**9]}, "prompt"),

@@ -164,7 +164,7 @@ class ClusterEngine:
         model, n = self.model, len(group.specs)
         for spec in group.specs:  # the engine's own admission rules, before the request leaves
             check_prompt(spec.prompt_token_ids, model.limits)
-            check_params(spec.params, model.limits, group.priority)
+            check_params(spec.params, model.limits, group.priority, len(spec.prompt_token_ids))
         routed = admission_to_wire(group.admit(), self.base)
         prompt = group.specs[0].prompt_token_ids
         tried: set[int] = set()

@@ -11,7 +11,7 @@ tests each row):
 | prompt | non-empty; integers (not bools) in [0, vocab_size); fewer tokens than max_model_len | here |
 | request_id | not in use by an unfinished request | Scheduler.add_request |
 | max_tokens | an integer >= 1, or None (= the room left); beyond the room: clamped (the server: 400) | SamplingParams |
-| min_tokens | an integer in [0, max_tokens]; not with structured output | SamplingParams |
+| min_tokens | an integer in [0, max_tokens]; not with structured output; at most the room left | SamplingParams; here (room) |
 | temperature | a finite number >= 0; below GREEDY_TEMPERATURE (1e-5) it is greedy | SamplingParams |
 | top_k | an integer >= -1 (0 and -1 disable it; at least the vocabulary also does) | SamplingParams |
 | top_p | a number in (0, 1] | SamplingParams |
@@ -20,12 +20,14 @@ tests each row):
 | stop | non-empty strings of valid Unicode (no lone surrogates) | SamplingParams |
 | stop_token_ids | integers in [0, vocab_size) | SamplingParams (type); here (range) |
 | logprobs | None, or an integer in [0, vocab_size] | SamplingParams (type); here (range) |
+| presence_penalty, frequency_penalty | numbers in [-2, 2] | SamplingParams |
+| repetition_penalty | a finite number > 0 | SamplingParams |
+| logit_bias | token ids in [0, vocab_size) to numbers in [-100, 100] | SamplingParams (type, values); here (ids) |
 | ignore_eos, include_stop_str_in_output, skip_special_tokens | booleans | SamplingParams |
 | structured | one kind; a schema valid and admitting a finite document; a regex/grammar that compiles | structured.py |
 | priority | an integer | here |
 
 The server refuses a max_tokens the client set beyond the room (unless `--max-tokens-policy clamp`).
-Bias-like fields (logit_bias, penalties) are not implemented by the engine; the server refuses them too.
 """
 
 from __future__ import annotations
@@ -66,9 +68,16 @@ def check_prompt(prompt: Sequence, limits: ModelLimits) -> list[int]:
     return ids
 
 
-def check_params(params: SamplingParams, limits: ModelLimits, priority: int = 0) -> None:
-    """The model-dependent rules of the table; ValueError naming the field otherwise."""
+def check_params(params: SamplingParams, limits: ModelLimits, priority: int = 0, prompt_len: int | None = None) -> None:
+    """The model-dependent rules of the table; ValueError naming the field otherwise. prompt_len: the checked
+    prompt's length, for the rules on the room it leaves."""
     vocab = limits.vocab_size
+    if params.logit_bias is not None and (bad := [t for t in params.logit_bias if t >= vocab]):
+        raise InvalidParam("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}); got {bad[0]}")
+    if prompt_len is not None and params.min_tokens > limits.max_model_len - prompt_len:
+        raise InvalidParam("min_tokens", f"min_tokens is {params.min_tokens} but the prompt's {prompt_len} tokens "
+                                         f"leave room for {limits.max_model_len - prompt_len} ({limits.len_limit} "
+                                         f"{limits.max_model_len})")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise InvalidParam("stop_token_ids",

@@ -160,7 +160,7 @@ class LLMEngine:
         else:
             text, ids = None, prompt
         ids = check_prompt(ids, self.limits)
-        check_params(params, self.limits, priority)
+        check_params(params, self.limits, priority, len(ids))
         room = self.max_model_len - len(ids)
         grammar = self._grammar_state(params) if params.structured is not None else None
         req = Request(request_id, ids, params, prompt=text, arrival_time=arrival_time, priority=priority,

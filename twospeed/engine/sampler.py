@@ -6,12 +6,14 @@ torch.Generator, so its tokens do not depend on what else is in the batch or
 on preemption (the generator lives on the request, not on its KV). Sampling
 uses the exponential race (argmax of p / Exp(1) noise), which draws exactly
 from p and needs one noise vector per row. Logprobs are those of the raw model
-distribution, before any filter or grammar mask, as vLLM reports them. A constrained
-request's row is masked to the tokens its grammar allows (structured.py) before any filter.
+distribution, before any filter or grammar mask, as vLLM reports them. A row's logits are first adjusted by its
+request's logit_bias, then its penalties (repetition over prompt and output, as vLLM and HF define it; frequency and
+presence over the output, as OpenAI does), on that row alone. A constrained request's row is then masked to the
+tokens its grammar allows (structured.py) before any filter.
 
 Verification (speculative decoding): a request with k draft tokens has k + 1
 rows, row j the target's logits after its drafts [:j], each masked as the
-position it stands for (min_tokens counts the drafts before it, the grammar is
+position it stands for (min_tokens and the penalties count the drafts before it, the grammar is
 advanced through them). Walking j = 0, 1, ...: row j's token is drawn exactly
 as a plain step would draw it at that position (greedy: the argmax; sampled:
 the race with that position's own noise); if it is the draft, the draft is
@@ -42,6 +44,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[Logprob | None]]:
         """logits: [N, vocab] float32, row i for requests[i] -> one token id and optional logprobs per row."""
         raw = logits
+        logits = self._adjust(logits, requests)
         logits = self._mask_early_stops(logits, requests)
         logits = self._mask_grammars(logits, requests)
         tokens = logits.argmax(dim=-1)
@@ -61,6 +64,7 @@ class Sampler:
         rows = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
         ahead = [j for d in drafts for j in range(len(d) + 1)]
         raw = logits
+        logits = self._adjust(logits, rows, [d[:j] for d in drafts for j in range(len(d) + 1)])
         logits = self._mask_early_stops(logits, rows, ahead)
         logits = self._mask_grammars(logits, rows, _draft_masks(requests, drafts))
         greedy = logits.argmax(dim=-1).tolist()
@@ -101,6 +105,34 @@ class Sampler:
             for j, i in enumerate(want):
                 logprobs[i] = _logprob(lp[j], tokens[i], requests[i].params.logprobs)
         return logprobs
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, requests: list[Request], before: list[list[int]] | None = None) -> torch.Tensor:
+        """logit_bias, then the penalties, on the rows whose request asks for them. before[i]: tokens row i stands
+        after (its drafts before it), counted as output."""
+        rows = [i for i, r in enumerate(requests) if r.params.adjusts_logits]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab, dev = logits.shape[-1], logits.device
+        for i in rows:
+            r, row = requests[i], logits[i]
+            p = r.params
+            output = r.output_token_ids + before[i] if before else r.output_token_ids
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev)
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
+                if output:
+                    seen[torch.tensor(output, dtype=torch.long, device=dev)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if output and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=dev), minlength=vocab)[:vocab]
+                row -= counts.to(row.dtype) * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+        return logits
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request],
                           ahead: list[int] | None = None) -> torch.Tensor:

@@ -103,6 +103,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutput | dict[str, Any] | None = None  # constrained output; a dict is a JSON schema
     speculate: bool | None = None  # False: never speculate for this request; None/True: as the engine is set
+    # OpenAI's: subtracted from a token's logit once it appeared in the output (presence) and per appearance
+    # (frequency); in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM/HF's: a token seen in the prompt or the output has its logit divided by this when positive, multiplied
+    # when negative; 1 disables it
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.structured, dict):
@@ -137,6 +145,14 @@ class SamplingParams:
             raise InvalidParam("stop", "stop strings must be valid Unicode (no lone surrogates)")
         if self.top_k == -1:
             self.top_k = 0
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)):
+            raise InvalidParam("repetition_penalty",
+                               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
 
     def _check_types(self) -> None:
         """Counts are integers (numpy's too, not bools), rates numbers, flags booleans: a float token id or a
@@ -154,15 +170,40 @@ class SamplingParams:
         self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
         self.temperature, self.top_p, self.min_p = (_float(name, getattr(self, name))
                                                     for name in ("temperature", "top_p", "min_p"))
+        self.presence_penalty, self.frequency_penalty, self.repetition_penalty = (
+            _float(name, getattr(self, name)) for name in ("presence_penalty", "frequency_penalty",
+                                                           "repetition_penalty"))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidParam(name, f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.speculate is not None and not isinstance(self.speculate, bool):
             raise InvalidParam("speculate", f"speculate must be true, false or null, got {self.speculate!r}")
 
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidParam("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            token, value = _int("logit_bias", token), _float("logit_bias", value)
+            if not -100.0 <= value <= 100.0:
+                raise InvalidParam("logit_bias", f"logit_bias values must be in [-100, 100], got {value} for {token}")
+            if token < 0:
+                raise InvalidParam("logit_bias", f"logit_bias keys are token ids >= 0, got {token}")
+            bias[token] = value
+        self.logit_bias = bias or None
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """logit_bias or a penalty changes this request's logits before it is sampled."""
+        return (self.logit_bias is not None or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _int(name: str, value: Any) -> int:

@@ -5,14 +5,19 @@ OpenAI defines that twospeed does not implement are accepted at their neutral va
 refused (400, naming the field) otherwise, never silently ignored. Unknown fields are
 ignored, as vLLM does, so newer clients keep working.
 
-twospeed extras (vLLM's names where vLLM has one): top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority,
+OpenAI's sampling controls: logit_bias (token id -> [-100, 100]), presence_penalty and frequency_penalty
+([-2, 2], over the output). twospeed extras (vLLM's names where vLLM has one): top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, priority,
 return_token_ids (the choice's token ids), `lane` (the SLO lane; also the
 x-twospeed-lane header) and `speculate` (false: no speculative decoding for this
 request, whatever the server's --spec-method).
 
-Structured output: `response_format` (json_object, json_schema) on both endpoints, and `tools` +
-`tool_choice` on chat, become a StructuredOutput the engine compiles (llguidance). Objects in those schemas
+Structured output: `response_format` (json_object, json_schema) on both endpoints, vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` ({"json" | "regex" | "choice" |
+"grammar" | "json_object"}), and `tools` + `tool_choice` on chat, become a StructuredOutput the engine compiles
+(llguidance); at most one of them a request. vLLM extras that change the output and are not implemented here
+(prompt_logprobs, beam search, allowed_token_ids, bad_words, ...) are a 400 naming the field when set, never
+ignored. Objects in those schemas
 admit only their declared properties (engine/json_schema.closed, as OpenAI's strict mode and xgrammar) unless
 the schema says otherwise; `"strict": false` on the json_schema or the function restores JSON Schema's open
 default. A tool call is
@@ -64,6 +69,26 @@ def check_schema(schema: Any, param: str, where: str) -> dict | bool:
     return schema
 
 
+# vLLM's request extras that change what is generated and are not implemented here: a 400 when set to anything
+# but their neutral value (None: any value), never silently ignored.
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
+    "bad_words": None, "truncate_prompt_tokens": None, "guided_whitespace_pattern": None, "logits_processors": None,
+    "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "vllm_xargs": None,
+    "guided_decoding": None,
+}
+# structured_outputs' options besides the kind: JSON is compact here already (disable_any_whitespace holds either
+# way), and disable_additional_properties false leaves a schema's objects open; the rest are refused
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
+
+
+def _structured(param: str, **kind) -> StructuredOutput:
+    try:
+        return StructuredOutput(**kind)
+    except ValueError as e:
+        raise UnsupportedValue(param, f"{param}: {e}") from None
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -89,9 +114,15 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: FiniteFloat | None = None
-    presence_penalty: FiniteFloat | None = None
-    logit_bias: dict[str, FiniteFloat] | None = None
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0)
+    logit_bias: dict[str, Annotated[FiniteFloat, Field(ge=-100, le=100)]] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
     lane: str | None = Field(None, description="SLO lane (also the x-twospeed-lane header); default 'default'")
     priority: Int | None = Field(None, ge=-(2**31), le=2**31 - 1,
@@ -105,11 +136,16 @@ class _SamplingRequest(_Model):
         self.response_format_output()  # raises on a malformed response_format or an invalid schema
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options is only allowed when stream is true")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise UnsupportedValue(name, f"{name} is not supported by this server (send 0 or leave it out)")
-        if self.logit_bias:
-            raise UnsupportedValue("logit_bias", "logit_bias is not supported by this server")
+        self.token_bias()  # raises on keys that are not token ids
+        for name, neutral in VLLM_UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value != neutral:
+                raise UnsupportedValue(name, f"{name} is not supported by this server (vLLM's extra; "
+                                             f"leave it out{'' if neutral is None else f' or send {neutral!r}'})")
+        guided = self._guided_fields()
+        if len(guided) > 1 or (guided and self.response_format_output() is not None):
+            both = guided + (["response_format"] if self.response_format_output() is not None else [])
+            raise UnsupportedValue(both[-1], f"one structured output a request: got {', '.join(both)}")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
             raise UnsupportedValue("stop", f"at most {MAX_STOP} stop strings, got {len(stops)}")
@@ -135,6 +171,64 @@ class _SamplingRequest(_Model):
         raise UnsupportedValue("response_format", f"response_format type {rf.get('type')!r} is not supported "
                                                   "(use text, json_object or json_schema)")
 
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys as token ids (OpenAI sends them as JSON object keys: strings of integers)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key) if len(key) <= 12 else None
+            except ValueError:
+                token = None
+            if token is None or token < 0 or key.strip() != key:
+                raise UnsupportedValue("logit_bias", f"logit_bias keys are token ids (integers >= 0), got {key!r}")
+            out[token] = value
+        return out
+
+    def _guided_fields(self) -> list[str]:
+        return [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+                if getattr(self, n) is not None]
+
+    def guided_output(self) -> StructuredOutput | None:
+        """vLLM's spellings of structured output as the engine's own (None when the request uses none)."""
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise UnsupportedValue("guided_json", f"guided_json is not valid JSON: {e}") from None
+            return StructuredOutput(json=json_schema.closed(check_schema(schema, "guided_json", "guided_json")))
+        if self.guided_regex is not None:
+            return _structured("guided_regex", regex=self.guided_regex)
+        if self.guided_choice is not None:
+            return _structured("guided_choice", choice=self.guided_choice)
+        if self.guided_grammar is not None:
+            return _structured("guided_grammar", grammar=self.guided_grammar)
+        if self.structured_outputs is not None:
+            so = {k: v for k, v in self.structured_outputs.items() if v is not None and k not in STRUCTURED_OPTIONS}
+            kinds = {"json", "regex", "choice", "grammar", "json_object"}
+            if len(so) != 1 or not set(so) <= kinds:
+                raise UnsupportedValue("structured_outputs", "structured_outputs takes exactly one of json, regex, "
+                                                             f"choice, grammar, json_object (options: "
+                                                             f"{', '.join(STRUCTURED_OPTIONS)}); got {sorted(so)}")
+            close = self.structured_outputs.get("disable_additional_properties") is not False
+            (kind, value), = so.items()
+            if kind == "json":
+                if isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except json.JSONDecodeError as e:
+                        raise UnsupportedValue("structured_outputs", f"structured_outputs.json is not valid JSON: "
+                                                                     f"{e}") from None
+                schema = check_schema(value, "structured_outputs", "structured_outputs.json")
+                return StructuredOutput(json=json_schema.closed(schema) if close else schema)
+            if kind == "json_object":
+                return StructuredOutput(json_object=True)
+            return _structured("structured_outputs", **{kind: value})
+        return None
+
     def structured_output(self) -> StructuredOutput | None:
         """The request's constrained output (computed once: its schemas are checked then)."""
         if self._structured is False:
@@ -142,11 +236,13 @@ class _SamplingRequest(_Model):
         return self._structured
 
     def _structured_output(self) -> StructuredOutput | None:
-        return self.response_format_output()
+        return self.guided_output() or self.response_format_output()
 
     @property
     def structured_param(self) -> str | None:
         """The field a grammar compile error is blamed on."""
+        if guided := self._guided_fields():
+            return guided[0]
         return "response_format" if self.response_format_output() is not None else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
@@ -161,7 +257,10 @@ class _SamplingRequest(_Model):
             seed=seed, stop=stops, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, structured=self.structured_output(),
-            speculate=self.speculate)
+            speculate=self.speculate, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.token_bias())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -224,6 +323,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tool_mode != "none" and self.response_format_output() is not None:
             raise UnsupportedValue("response_format", "response_format cannot be combined with tools unless "
                                                       "tool_choice is \"none\"")
+        if self.tool_mode != "none" and self._guided_fields():
+            raise UnsupportedValue(self._guided_fields()[0], f"{self._guided_fields()[0]} cannot be combined with "
+                                                             "tools unless tool_choice is \"none\"")
         if self.tool_mode not in ("none", "auto", "required") and self.tool_mode not in functions:
             raise UnsupportedValue("tool_choice", f"tool_choice names function {self.tool_mode!r}, which is not "
                                                   f"in tools ({', '.join(functions) or 'none given'})")
@@ -272,7 +374,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def _structured_output(self) -> StructuredOutput | None:
         mode = self.tool_mode
         if mode == "none":
-            return self.response_format_output()
+            return self.guided_output() or self.response_format_output()
         functions = self.functions()
         if mode not in ("auto", "required"):
             functions = {mode: functions[mode]}
