@@ -172,4 +172,5 @@ def test_every_route_needs_the_key_unless_a_flag_opens_it(path, default, opened)
     (b"Basic not*base64", False), (b"Token k3y", False),
 ])
 def test_the_key_as_bearer_token_or_basic_password(header, ok):
-    assert key_given(header, b"k3y") is ok
+    assert key_given(header, b"k3y", basic=True) is ok
+    assert key_given(header, b"k3y") is (ok and header.lower().startswith(b"bearer"))  # Basic only where allowed

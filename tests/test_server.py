@@ -407,6 +407,10 @@ BAD = [
     ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"99999999": 10}}, "logit_bias"),
     ("completions", {"model": "demo", "prompt": "hi", "min_tokens": 10**23, "max_tokens": None}, "min_tokens"),
     ("completions", {"model": "demo", "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs"),
+    # a number Python cannot even convert (over 4,300 digits) is out of range like any other
+    ("completions", b'{"model": "demo", "prompt": "hi", "max_tokens": ' + b"9" * 5001 + b"}", "max_tokens"),
+    ("chat/completions", b'{"model": "demo", "messages": [{"role": "user", "content": "x"}], "seed": -'
+     + b"9" * 5001 + b"}", "seed"),
     ("completions", {"model": "demo", "prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("completions", {"model": "demo", "prompt": "hi", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
     ("completions", {"model": "demo", "prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
@@ -495,7 +499,8 @@ METRIC_NAMES = {  # the names README lists, and nothing else
     "twospeed_request_queue_time_seconds": "histogram", "twospeed_request_prefill_time_seconds": "histogram",
     "twospeed_request_decode_time_seconds": "histogram", "twospeed_e2e_request_latency_seconds": "histogram",
     "twospeed_step_tokens": "histogram", "twospeed_prompt_tokens_total": "counter",
-    "twospeed_generation_tokens_total": "counter", "twospeed_prefix_cache_queries_total": "counter",
+    "twospeed_generation_tokens_total": "counter", "twospeed_lane_overflow_total": "counter",
+    "twospeed_prefix_cache_queries_total": "counter",
     "twospeed_prefix_cache_hits_total": "counter", "twospeed_num_preemptions_total": "counter",
     "twospeed_slo_requests_total": "counter", "twospeed_num_requests_running": "gauge",
     "twospeed_num_requests_waiting": "gauge", "twospeed_kv_cache_usage_ratio": "gauge",

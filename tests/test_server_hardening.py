@@ -229,6 +229,79 @@ def test_body_size_limit_is_413_with_an_openai_body(keyed):
     assert httpx.get(f"{keyed.base}/health", headers=auth).status_code == 200
 
 
+def _raw(base: str, request: bytes) -> bytes:
+    """Send bytes as they are (no client library normalises the headers) and return the response's first line."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(request)
+        return sock.recv(65536).split(b"\r\n")[0]
+
+
+def test_the_http_edge_refuses_smuggled_and_cross_site_bodies(keyed):
+    """Content-Length beside Transfer-Encoding is a 400 (a 20 MB body once passed a 10-byte length); a body a web
+    page can post cross-site without a preflight (text/plain, a form, multipart) is a 415 before it is read; Basic
+    credentials, which browsers resend cross-site, open the dashboard's GETs and never the API."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(16)) + b"0\r\n\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert b" 400 " in _raw(keyed.base, head + body)
+    ok = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2})
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                 "text/plain;charset=UTF-8"):
+        r = httpx.post(f"{keyed.url}/completions", content=ok, headers={**auth, "content-type": kind}, timeout=30)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = httpx.post(f"{keyed.url}/completions", content=ok, headers={**auth, "content-type": kind}, timeout=30)
+        assert r.status_code == 200, (kind, r.text)
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+           + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(ok) + ok.encode())
+    assert b" 200 " in _raw(keyed.base, raw)  # no Content-Type at all: taken as JSON (no page can send that)
+    basic = httpx.post(f"{keyed.url}/completions", json=json.loads(ok), auth=("anyone", KEY), timeout=30)
+    assert basic.status_code == 401
+    assert httpx.get(f"{keyed.url}/models", auth=("anyone", KEY), timeout=30).status_code == 401
+    assert httpx.get(f"{keyed.base}/dashboard", auth=("anyone", KEY), timeout=30).status_code == 200
+    assert httpx.get(f"{keyed.base}/health", headers=auth).status_code == 200
+
+
+def test_made_up_lanes_past_the_bound_run_in_the_default_lane(server):
+    """80 requests in 80 new lanes: every one is served (none refused), /metrics keeps at most 64 lanes, and the
+    overflow is counted."""
+    import re
+
+    for i in range(80):
+        r = post(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 1},
+                 headers={"x-twospeed-lane": f"made-up-{i}"})
+        assert r.status_code == 200, r.text
+    text = httpx.get(f"{server.base}/metrics", timeout=30).text
+    lanes = set(re.findall(r'lane="([^"]+)"', text))
+    assert len(lanes) <= 64 and "default" in lanes
+    overflow = float(re.search(r'^twospeed_lane_overflow_total\{model="demo"\} (\S+)$', text, re.M).group(1))
+    assert overflow >= 80 - 63
+
+
+def test_a_client_that_leaves_mid_body_is_a_quiet_499(server):
+    """200 clients that send half a body and close: no traceback in the log, and the server serves on."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(server.base)
+    before = len(server.lines)
+    for _ in range(200):
+        with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"demo\", ")
+    r = post(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    time.sleep(0.5)
+    logged = "".join(server.lines[before:])
+    assert "Traceback" not in logged and "500" not in logged, logged[-2000:]
+
+
 @pytest.mark.parametrize("method, path", [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
                                           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
                                           ("GET", "/no/such/page")])

@@ -33,12 +33,15 @@ No torch and no HTTP here: the async engine calls `judge` when a request finishe
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from twospeed.engine.request import Bill, Clock, percentile
+
+log = logging.getLogger(__name__)
 
 METRICS = ("queue", "prefill", "ttft", "itl", "tpot", "ttlt")
 CAUSES = ("queue", "prefill", "decode_interference", "decode", "preemption")
@@ -183,16 +186,22 @@ class SLOTable:
             if slo.lane in self.lanes:
                 raise ValueError(f"lane {slo.lane!r} is given twice")
             self.lanes[slo.lane] = slo
-        self.max_lanes = max_lanes  # bounds the label sets /metrics can grow to
+        self.max_lanes = max_lanes  # bounds the label sets /metrics can grow to (configured lanes come first)
         self._seen: set[str] = {DEFAULT_LANE, *self.lanes}
+        self.overflowed = 0  # requests served under the default lane because their new lane was past the bound
 
     def admit(self, lane: str | None) -> LaneSLO:
-        """The lane a request runs in; ValueError for a bad name or one lane too many."""
+        """The lane a request runs in; ValueError for a bad name. Past max_lanes distinct names, a name not seen
+        before runs in the default lane (counted, warned once): one client's made-up lanes can neither grow
+        /metrics without bound nor refuse anyone's request, and configured lanes always keep their own."""
         lane = check_lane_name(DEFAULT_LANE if lane is None else lane)
         if lane not in self._seen:
             if len(self._seen) >= self.max_lanes:
-                raise ValueError(f"too many distinct lanes (at most {self.max_lanes}); configured lanes: "
-                                 f"{', '.join(sorted(self.lanes)) or 'none'}")
+                if not self.overflowed:
+                    log.warning("more than %d distinct lanes: requests in new lanes run in %r (counted in "
+                                "twospeed_lane_overflow_total)", self.max_lanes, DEFAULT_LANE)
+                self.overflowed += 1
+                return self.lanes.get(DEFAULT_LANE) or LaneSLO(DEFAULT_LANE)
             self._seen.add(lane)
         return self.lanes.get(lane) or LaneSLO(lane)
 

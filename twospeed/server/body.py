@@ -18,7 +18,15 @@ from pydantic import BaseModel, ValidationError
 from twospeed.engine.sampling_params import valid_unicode
 from twospeed.server.errors import APIError, validation_error
 
-_decoder = json.JSONDecoder()
+def _parse_int(text: str) -> int | float:
+    """An integer literal; one longer than Python converts (4,300 digits) is out of every field's range, so it
+    reads as an infinity the field's own check refuses (a 400 naming the field, not a 500)."""
+    if len(text) > 4000:
+        return float("-inf") if text.startswith("-") else float("inf")
+    return int(text)
+
+
+_decoder = json.JSONDecoder(parse_int=_parse_int)
 _WS = re.compile(r"[ \t\n\r]*")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a surrogate gets into parsed JSON from valid UTF-8
 _ITEMWISE = 256  # lists longer than this are validated one item at a time

@@ -12,7 +12,8 @@ import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("twospeed.server")
@@ -72,6 +73,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if e.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return error_response(APIError(e.status_code, message, type_, headers=getattr(e, "headers", None)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, e: ClientDisconnect):
+        # The client left before its body was read: nothing to answer and nothing wrong here (nginx's 499)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

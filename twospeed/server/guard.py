@@ -1,4 +1,4 @@
-"""GuardMiddleware: the API key, the body-size limit, and no new work while draining — before any route runs.
+"""GuardMiddleware: the API key, the body's size and type, and no new work while draining — before any route runs.
 
 Pure ASGI, so streaming responses and disconnects pass through untouched.
 
@@ -7,12 +7,21 @@ API) and paths that do not exist (a 401 tells a stranger less than a 404); `OPEN
 of exceptions: a path prefix and the ServerConfig flag that opens it. A new router is keyed without
 touching this file, and joins the table only to offer an opener.
 
-The key goes as `Authorization: Bearer KEY`, or as the password of HTTP Basic auth (any user name): a
-browser cannot send a Bearer header when it opens /dashboard, but it asks for a Basic password when the 401
-says so (BROWSER_PATHS get that challenge) and then sends it with every request of the page.
+The key goes as `Authorization: Bearer KEY`, or, on the dashboard's GET requests only, as the password of HTTP
+Basic auth (any user name): a browser cannot send a Bearer header when it opens /dashboard, but it asks for a
+Basic password when the 401 says so (BROWSER_PATHS get that challenge) and then sends it with every request of
+the page. Browsers resend cached Basic credentials on cross-site requests too, so Basic never opens the API.
+
+Cross-origin policy: the server sends no CORS headers, so a web page of another origin can read nothing, and
+every POST body must be JSON (`application/json`, or a `+json` type; none at all is taken as JSON): the bodies
+a page can send cross-site without a preflight (text/plain, form-urlencoded, multipart) get 415 before they
+are read, and the preflight a JSON body needs is never granted. So a keyless server on localhost cannot be
+driven by a web page.
 
 A body larger than max_body_bytes gets 413 before it is read: at once from its Content-Length, or as
-soon as a chunked body grows past the limit.
+soon as a chunked body grows past the limit. A request with both Content-Length and Transfer-Encoding is a
+400 (RFC 9112 calls it an error; a guard trusting one header while the parser follows the other is how a 20 MB
+body passed a 10-byte Content-Length).
 """
 
 from __future__ import annotations
@@ -48,11 +57,12 @@ def _route_path(scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-def key_given(authorization: bytes, key: bytes) -> bool:
-    """Whether the Authorization header carries the key: Bearer KEY, or Basic with KEY as the password."""
+def key_given(authorization: bytes, key: bytes, basic: bool = False) -> bool:
+    """Whether the Authorization header carries the key: Bearer KEY, or (where `basic`) Basic with KEY as the
+    password."""
     scheme, _, token = authorization.partition(b" ")
     token = token.strip()
-    if scheme.lower() == b"basic":
+    if scheme.lower() == b"basic" and basic:
         try:
             token = base64.b64decode(token, validate=True).partition(b":")[2]
         except ValueError:
@@ -70,6 +80,14 @@ def needs_key(path: str, config: ServerConfig) -> bool:
     return True
 
 
+def _json_type(content_type: bytes | None) -> bool:
+    """application/json or a +json type (parameters such as charset aside), or no Content-Type at all."""
+    if content_type is None:
+        return True
+    kind = content_type.split(b";")[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
+
+
 class GuardMiddleware:
     """API key (OPEN_PATHS), body-size limit (413), and 503 for new work while the server drains."""
 
@@ -85,8 +103,9 @@ class GuardMiddleware:
         path = _route_path(scope)
         headers = dict(scope.get("headers") or ())
         if self._key is not None and needs_key(path, self.config):
-            if not key_given(headers.get(b"authorization", b""), self._key):
-                browser = any(_matches(path, p) for p in BROWSER_PATHS)
+            browser = any(_matches(path, p) for p in BROWSER_PATHS)
+            basic = browser and scope.get("method") in ("GET", "HEAD")
+            if not key_given(headers.get(b"authorization", b""), self._key, basic):
                 challenge = 'Basic realm="twospeed", charset="UTF-8"' if browser else "Bearer"
                 response = JSONResponse(error_body("missing or incorrect API key (send Authorization: Bearer KEY)",
                                                    "authentication_error", None, "invalid_api_key"),
@@ -97,8 +116,18 @@ class GuardMiddleware:
             response = JSONResponse(error_body("the server is shutting down", "service_unavailable"), status_code=503,
                                     headers={"Connection": "close"})
             return await response(scope, receive, send)
+        if scope.get("method") in ("POST", "PUT", "PATCH") and not _json_type(headers.get(b"content-type")):
+            response = JSONResponse(error_body("request bodies must be JSON (Content-Type: application/json)",
+                                               "invalid_request_error", None, "unsupported_media_type"),
+                                    status_code=415, headers={"Connection": "close"})
+            return await response(scope, None, send)
         limit = self.config.max_body_bytes
         length = headers.get(b"content-length")
+        if length is not None and b"transfer-encoding" in headers:
+            response = JSONResponse(error_body("a request may not carry both Content-Length and Transfer-Encoding",
+                                               "invalid_request_error", None, "bad_request"),
+                                    status_code=400, headers={"Connection": "close"})
+            return await response(scope, None, send)
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._too_large(int(length), scope, receive, send)
         if length is None and b"chunked" in headers.get(b"transfer-encoding", b""):

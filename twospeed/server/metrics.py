@@ -89,6 +89,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("twospeed_prompt_tokens", "prompt tokens billed, by kind (cached|prefilled)",
                                      ("lane", "model", "kind"), registry=r)
         self.generation_tokens = Counter("twospeed_generation_tokens", "output tokens emitted", lm, registry=r)
+        self.lane_overflow = Counter("twospeed_lane_overflow", "requests run in the default lane because their "
+                                     "lane was new past the bound on distinct lanes", ("model",), registry=r)
+        self.lane_overflow.labels(model_name)
         self.forced_tokens = Counter("twospeed_forced_tokens",
                                      "output tokens a grammar forced (appended without a decode step)", lm, registry=r)
         self.recomputed_tokens = Counter("twospeed_recomputed_tokens",

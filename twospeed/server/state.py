@@ -132,10 +132,13 @@ class ServerState:
         """Admission (lane, queue bound) and the engine's own validation; returns the running group, open until
         release()."""
         lane_name = body.lane if body.lane is not None else request.headers.get(LANE_HEADER)
+        overflowed = self.slos.overflowed
         try:
             lane = self.slos.admit(lane_name)
         except ValueError as e:
             raise APIError(400, str(e), param="lane") from None
+        if self.slos.overflowed != overflowed:
+            self.metrics.lane_overflow.labels(self.metrics.model).inc()
         self.metrics.add_lane(lane.lane)
         engine = self.async_engine
         if self.draining:
