@@ -76,7 +76,7 @@ def test_yaml_file(tmp_path):
 
 
 def test_lane_admission_bounds_label_sets():
-    table = SLOTable([parse_slo_flag("drafting:ttft=1s")], max_lanes=3)
+    table = SLOTable([parse_slo_flag("drafting:ttft=1s")], max_lanes=1)
     assert table.admit(None).lane == "default"
     assert table.admit("drafting").objectives
     assert table.admit("batch").objectives == ()  # a lane without an SLO is fine

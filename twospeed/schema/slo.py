@@ -180,29 +180,32 @@ def load_slo_file(path: str | Path) -> list[LaneSLO]:
 class SLOTable:
     """The configured lanes; a lane without an SLO is accepted (every request meets an empty SLO)."""
 
-    def __init__(self, lanes: list[LaneSLO] = (), max_lanes: int = 64):
+    def __init__(self, lanes: list[LaneSLO] = (), max_lanes: int = 16):
         self.lanes: dict[str, LaneSLO] = {}
         for slo in lanes:
             if slo.lane in self.lanes:
                 raise ValueError(f"lane {slo.lane!r} is given twice")
             self.lanes[slo.lane] = slo
-        self.max_lanes = max_lanes  # bounds the label sets /metrics can grow to (configured lanes come first)
+        # lanes named by requests alone (not configured, not default): bounds the label sets /metrics grows to
+        self.max_lanes = max_lanes
         self._seen: set[str] = {DEFAULT_LANE, *self.lanes}
+        self._named: set[str] = set()
         self.overflowed = 0  # requests served under the default lane because their new lane was past the bound
 
     def admit(self, lane: str | None) -> LaneSLO:
-        """The lane a request runs in; ValueError for a bad name. Past max_lanes distinct names, a name not seen
-        before runs in the default lane (counted, warned once): one client's made-up lanes can neither grow
-        /metrics without bound nor refuse anyone's request, and configured lanes always keep their own."""
+        """The lane a request runs in; ValueError for a bad name. Past max_lanes names that no configuration
+        gave, a new one runs in the default lane (counted, warned once): one client's made-up lanes can neither
+        grow /metrics without bound nor refuse anyone's request, and configured lanes always keep their own."""
         lane = check_lane_name(DEFAULT_LANE if lane is None else lane)
         if lane not in self._seen:
-            if len(self._seen) >= self.max_lanes:
+            if len(self._named) >= self.max_lanes:
                 if not self.overflowed:
                     log.warning("more than %d distinct lanes: requests in new lanes run in %r (counted in "
                                 "twospeed_lane_overflow_total)", self.max_lanes, DEFAULT_LANE)
                 self.overflowed += 1
                 return self.lanes.get(DEFAULT_LANE) or LaneSLO(DEFAULT_LANE)
             self._seen.add(lane)
+            self._named.add(lane)
         return self.lanes.get(lane) or LaneSLO(lane)
 
     def judge(self, lane: str, clock: Clock, bill: Bill, num_preemptions: int) -> Verdict:

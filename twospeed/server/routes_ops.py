@@ -23,4 +23,4 @@ async def health(request: Request):
 
 @router.get("/metrics", responses=ERROR_RESPONSES)
 async def metrics(state: State):
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(await state.metrics.render_shared(state.run), media_type=CONTENT_TYPE)
