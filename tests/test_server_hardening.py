@@ -322,6 +322,50 @@ def test_made_up_lanes_past_the_bound_run_in_the_default_lane(server):
     assert len(gaps) > 20 and max(gaps) < 0.5, (len(gaps), sorted(gaps)[-5:])
 
 
+def test_a_stream_nobody_reads_is_aborted_past_its_backlog_bound():
+    """A client that sends a streaming request (n=4, 20 logprobs a token) and never reads: past --max-stream-backlog
+    the server aborts it (nothing left running, every KV block back) instead of holding its whole output, and the
+    client, reading at last, finds an error event and [DONE]."""
+    import re
+    import socket
+    from urllib.parse import urlsplit
+
+    srv = ServerProcess("--max-model-len", str(MAX_LEN), "--max-stream-backlog", "300000")
+    try:
+        u = urlsplit(srv.base)
+        body = json.dumps({"model": "demo", "prompt": "hi", "n": 4, "max_tokens": 900, "ignore_eos": True,
+                           "logprobs": 20, "stream": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's sends stall
+        sock.connect((u.hostname, u.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+        def gauge(name: str) -> float:
+            text = httpx.get(f"{srv.base}/metrics", timeout=30).text
+            return float(re.search(rf'^{name}\{{[^}}]*\}} (\S+)$', text, re.M).group(1))
+
+        deadline = time.monotonic() + 60
+        time.sleep(1.0)
+        while gauge("twospeed_num_requests_running") > 0 or gauge("twospeed_kv_cache_usage_ratio") > 0:
+            assert time.monotonic() < deadline, "the unread stream was never aborted"
+            time.sleep(0.5)
+        got = b""
+        sock.settimeout(30)
+        while b"data: [DONE]" not in got:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            got += chunk
+        sock.close()
+        assert b"request_timeout" in got and b"data: [DONE]" in got
+        assert got.count(b'"text"') < 4 * 900  # cut short, not the whole output
+        r = post(srv, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200  # and the server serves on
+    finally:
+        srv.stop_clean()
+
+
 def test_a_client_that_leaves_mid_body_is_a_quiet_499(server):
     """200 clients that send half a body and close: no traceback in the log, and the server serves on."""
     import socket

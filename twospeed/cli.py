@@ -141,6 +141,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="a lane's SLO, e.g. drafting:ttft_p99=500ms,itl_p99=60ms (repeatable)")
     parser.add_argument("--slo-file", help="YAML: {lanes: {LANE: {METRIC: DURATION}}}")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 16 MiB), else 413")
+    parser.add_argument("--max-stream-backlog", type=int,
+                        help="bytes of a stream's output that may wait for its client (default 8 MiB); past them the "
+                             "client is taken as gone and the request aborted")
     parser.add_argument("--max-tokens-policy", choices=("error", "clamp"),
                         help="a max_tokens beyond the room the prompt leaves: 400 naming both numbers (error, the "
                              "default, as OpenAI and vLLM) or cut to the room (clamp)")

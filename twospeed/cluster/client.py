@@ -227,7 +227,7 @@ class ClusterEngine:
                 stream.prefilled()  # the first batch carries the first token: the prompt is through
                 for item in batch.items:
                     item = from_wire(item, self.base)
-                    group.queue.put_nowait(item)
+                    group.put(item)
                     if item.delta is not None and item.request_id in outputs:
                         outputs[item.request_id] += item.delta.new_token_ids
                     if item.finished and item.request_id in open_seqs:

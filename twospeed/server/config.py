@@ -25,6 +25,9 @@ class ServerConfig:
     slo: list[str] = field(default_factory=list)  # LANE:METRIC=DURATION[,...] specs
     slo_file: str | None = None  # YAML: {lanes: {LANE: {METRIC: DURATION}}}
     max_body_bytes: int = 16 << 20  # bytes a request body may have; larger ones get 413
+    # A stream's output waiting for its client, in approximate bytes: past it the client is taken as gone and the
+    # request aborted (a client that never reads cannot make the server hold its whole output)
+    max_stream_backlog: int = 8 << 20
     # A max_tokens the client set beyond the room its prompt leaves: "error" = 400 naming both numbers (OpenAI, vLLM),
     # "clamp" = cut to the room. One it did not set (completions' default 16) is cut to the room either way.
     max_tokens_policy: Literal["error", "clamp"] = "error"

@@ -157,6 +157,9 @@ class ServerState:
         priority = body.priority if body.priority is not None else (lane.priority or 0)
         group = RequestGroup(Admission(lane.lane, priority, time.monotonic(), specs, itl_target=lane.itl_target,
                                        speculate=lane.speculate))
+        if body.stream:  # a stream's undelivered output is bounded; past it the client is taken as gone
+            group.max_backlog = self.config.max_stream_backlog
+            group.on_backlog = lambda: engine.abort(group)
         try:
             await engine.add(group)
         except EngineGone as e:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from twospeed.serving.request_group import RequestGroup, ShutdownError, StreamItem
+from twospeed.serving.request_group import RequestGroup, ShutdownError, StreamBacklog, StreamItem
 from twospeed.server.errors import APIError, error_body
 from twospeed.server.responses import request_twospeed, sequence_twospeed, server_timing, usage_json
 from twospeed.server.state import ServerState
@@ -102,6 +102,8 @@ def _item_error(item: StreamItem) -> APIError:
     aborted, at shutdown or past the grace (503)."""
     if item.error is None or isinstance(item.error, ShutdownError):
         return APIError(503, str(item.error) if item.error else ABORTED, "service_unavailable")
+    if isinstance(item.error, StreamBacklog):
+        return APIError(408, str(item.error), "request_timeout")
     return APIError(500, str(item.error), "server_error")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from twospeed.engine.outputs import RequestDelta, SequenceOutput
@@ -61,6 +62,11 @@ class EngineGone(ShutdownError):
     """The engine (its process, every replica) is gone: nothing can be served until it is back (a 503)."""
 
 
+class StreamBacklog(RuntimeError):
+    """The client stopped reading its stream: its undelivered output passed the group's bound, so the request was
+    aborted (its KV blocks back, its queue emptied)."""
+
+
 @dataclass(slots=True)
 class Admission:
     """What an engine needs to admit one HTTP request's sequences: all of them or none."""
@@ -84,6 +90,12 @@ class RequestGroup:
     replica: str | None = None  # behind a router: the replica serving it (the x-twospeed-replica header)
     assemble: bool = True  # add the deltas up (False: a replica passing them on to its ingress as they come)
     seqs: dict[str, SequenceOutput] = field(default_factory=dict)  # request id -> its deltas so far
+    # A stream's bound on undelivered output (approximate bytes; None: none) and what to call past it (the
+    # engine-side abort): a client that never reads cannot make the server hold its whole output.
+    max_backlog: int | None = None
+    on_backlog: Callable[[], None] | None = None
+    backlog: int = 0  # approximate bytes on the queue
+    overflowed: bool = False
 
     def __post_init__(self) -> None:
         if self.assemble:
@@ -116,7 +128,30 @@ class RequestGroup:
         return self.admission
 
     async def next(self) -> StreamItem:
-        return self.take(await self.queue.get())
+        item = await self.queue.get()
+        if isinstance(item, StreamItem):
+            self.backlog -= item_bytes(item)
+        return self.take(item)
+
+    def put(self, item: StreamItem) -> None:
+        """An item for the reader (on the event loop). Past max_backlog the queue is emptied, the reader gets one
+        StreamBacklog error that ends the group, on_backlog aborts the engine side, and later items are dropped."""
+        if self.overflowed:
+            return
+        self.queue.put_nowait(item)
+        if self.max_backlog is None:
+            return
+        self.backlog += item_bytes(item)
+        if self.backlog > self.max_backlog:
+            self.overflowed = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.backlog = 0
+            self.queue.put_nowait(StreamItem("", -1, None, ends_group=True, error=StreamBacklog(
+                f"the client stopped reading: over {self.max_backlog:,} bytes of output were waiting, so the "
+                "request was aborted")))
+            if self.on_backlog is not None:
+                self.on_backlog()
 
     def take(self, item: StreamItem) -> StreamItem:
         """Account for an item read off the queue: the sequence it ends, the delta it adds (and on a sequence's
@@ -142,6 +177,17 @@ class RequestGroup:
         return not self.unfinished
 
 
+def item_bytes(item: StreamItem) -> int:
+    """About what an item costs to hold and to send as an SSE chunk: its tokens, text and logprobs."""
+    delta = item.delta
+    if delta is None:
+        return 64
+    size = 200 + 16 * len(delta.new_token_ids) + 2 * len(delta.new_text)
+    for lp in delta.new_logprobs or ():
+        size += 64 + 48 * len(lp.top)
+    return size
+
+
 def resolve_future(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     """Settle a future another thread answered (run on its event loop); a cancelled one stays as it is."""
     if future.done():
@@ -156,5 +202,5 @@ def deliver_items(batch: list[tuple[RequestGroup, StreamItem]]) -> None:
     """Put each item on its group's queue (on the event loop: an engine's thread hands it over with
     call_soon_threadsafe)."""
     for group, item in batch:
-        group.queue.put_nowait(item)
+        group.put(item)
 
