@@ -88,6 +88,14 @@ def _json_type(content_type: bytes | None) -> bool:
     return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
 
 
+async def _refuse(status: int, message: str, code: str | None, scope, receive, send,
+                  type_: str = "invalid_request_error") -> None:
+    """An OpenAI-style error sent before the route runs; the connection closes after it (its body may be unread)."""
+    response = JSONResponse(error_body(message, type_, None, code), status_code=status,
+                            headers={"Connection": "close"})
+    await response(scope, receive, send)
+
+
 class GuardMiddleware:
     """API key (OPEN_PATHS), body-size limit (413), and 503 for new work while the server drains."""
 
@@ -113,21 +121,16 @@ class GuardMiddleware:
                 return await response(scope, receive, send)
         state = self.get_state()
         if state is not None and state.draining and scope.get("method") == "POST":
-            response = JSONResponse(error_body("the server is shutting down", "service_unavailable"), status_code=503,
-                                    headers={"Connection": "close"})
-            return await response(scope, receive, send)
+            return await _refuse(503, "the server is shutting down", None, scope, receive, send,
+                                 "service_unavailable")
         if scope.get("method") in ("POST", "PUT", "PATCH") and not _json_type(headers.get(b"content-type")):
-            response = JSONResponse(error_body("request bodies must be JSON (Content-Type: application/json)",
-                                               "invalid_request_error", None, "unsupported_media_type"),
-                                    status_code=415, headers={"Connection": "close"})
-            return await response(scope, None, send)
+            return await _refuse(415, "request bodies must be JSON (Content-Type: application/json)",
+                                 "unsupported_media_type", scope, None, send)
         limit = self.config.max_body_bytes
         length = headers.get(b"content-length")
         if length is not None and b"transfer-encoding" in headers:
-            response = JSONResponse(error_body("a request may not carry both Content-Length and Transfer-Encoding",
-                                               "invalid_request_error", None, "bad_request"),
-                                    status_code=400, headers={"Connection": "close"})
-            return await response(scope, None, send)
+            return await _refuse(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                                 "bad_request", scope, None, send)
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._too_large(int(length), scope, receive, send)
         if length is None and b"chunked" in headers.get(b"transfer-encoding", b""):
@@ -159,7 +162,5 @@ class GuardMiddleware:
     async def _too_large(self, size: int | None, scope, receive, send) -> None:
         limit = self.config.max_body_bytes
         got = f"is {size:,} bytes" if size is not None else "is larger than that"
-        response = JSONResponse(error_body(f"the request body {got}; at most {limit:,} bytes are accepted "
-                                           "(--max-body-bytes)", "invalid_request_error", None, "request_too_large"),
-                                status_code=413, headers={"Connection": "close"})
-        await response(scope, receive, send)
+        await _refuse(413, f"the request body {got}; at most {limit:,} bytes are accepted (--max-body-bytes)",
+                      "request_too_large", scope, receive, send)

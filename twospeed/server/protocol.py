@@ -192,42 +192,31 @@ class _SamplingRequest(_Model):
 
     def guided_output(self) -> StructuredOutput | None:
         """vLLM's spellings of structured output as the engine's own (None when the request uses none)."""
-        if self.guided_json is not None:
-            schema = self.guided_json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise UnsupportedValue("guided_json", f"guided_json is not valid JSON: {e}") from None
-            return StructuredOutput(json=json_schema.closed(check_schema(schema, "guided_json", "guided_json")))
-        if self.guided_regex is not None:
-            return _structured("guided_regex", regex=self.guided_regex)
-        if self.guided_choice is not None:
-            return _structured("guided_choice", choice=self.guided_choice)
-        if self.guided_grammar is not None:
-            return _structured("guided_grammar", grammar=self.guided_grammar)
-        if self.structured_outputs is not None:
+        given = self._guided_fields()
+        if not given:
+            return None
+        param = given[0]
+        if param == "structured_outputs":
             so = {k: v for k, v in self.structured_outputs.items() if v is not None and k not in STRUCTURED_OPTIONS}
-            kinds = {"json", "regex", "choice", "grammar", "json_object"}
-            if len(so) != 1 or not set(so) <= kinds:
-                raise UnsupportedValue("structured_outputs", "structured_outputs takes exactly one of json, regex, "
-                                                             f"choice, grammar, json_object (options: "
-                                                             f"{', '.join(STRUCTURED_OPTIONS)}); got {sorted(so)}")
-            close = self.structured_outputs.get("disable_additional_properties") is not False
+            if len(so) != 1 or not set(so) <= {"json", "regex", "choice", "grammar", "json_object"}:
+                raise UnsupportedValue(param, "structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                              f"json_object (options: {', '.join(STRUCTURED_OPTIONS)}); got "
+                                              f"{sorted(so)}")
             (kind, value), = so.items()
-            if kind == "json":
-                if isinstance(value, str):
-                    try:
-                        value = json.loads(value)
-                    except json.JSONDecodeError as e:
-                        raise UnsupportedValue("structured_outputs", f"structured_outputs.json is not valid JSON: "
-                                                                     f"{e}") from None
-                schema = check_schema(value, "structured_outputs", "structured_outputs.json")
-                return StructuredOutput(json=json_schema.closed(schema) if close else schema)
-            if kind == "json_object":
-                return StructuredOutput(json_object=True)
-            return _structured("structured_outputs", **{kind: value})
-        return None
+            close, where = self.structured_outputs.get("disable_additional_properties") is not False, f"{param}.json"
+        else:
+            kind, value, close, where = param.removeprefix("guided_"), getattr(self, param), True, param
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise UnsupportedValue(param, f"{where} is not valid JSON: {e}") from None
+            schema = check_schema(value, param, where)
+            return StructuredOutput(json=json_schema.closed(schema) if close else schema)
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        return _structured(param, **{kind: value})
 
     def structured_output(self) -> StructuredOutput | None:
         """The request's constrained output (computed once: its schemas are checked then)."""
@@ -323,9 +312,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tool_mode != "none" and self.response_format_output() is not None:
             raise UnsupportedValue("response_format", "response_format cannot be combined with tools unless "
                                                       "tool_choice is \"none\"")
-        if self.tool_mode != "none" and self._guided_fields():
-            raise UnsupportedValue(self._guided_fields()[0], f"{self._guided_fields()[0]} cannot be combined with "
-                                                             "tools unless tool_choice is \"none\"")
+        if self.tool_mode != "none" and (guided := self._guided_fields()):
+            raise UnsupportedValue(guided[0], f"{guided[0]} cannot be combined with tools unless tool_choice is "
+                                              "\"none\"")
         if self.tool_mode not in ("none", "auto", "required") and self.tool_mode not in functions:
             raise UnsupportedValue("tool_choice", f"tool_choice names function {self.tool_mode!r}, which is not "
                                                   f"in tools ({', '.join(functions) or 'none given'})")

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from twospeed.config import EngineConfig
-from twospeed.serving.engine_loop import AddGroup, EngineLoop, compile_grammar, grammar_of
+from twospeed.serving.engine_loop import AddGroup, EngineLoop, add_error, compile_grammar, grammar_of
 from twospeed.serving.engine_view import EngineFacts
 from twospeed.serving.events import EndedSequence, EngineEvent, FinishEvent
 from twospeed.serving.process_messages import (COST_EVERY, Added, Outbox, Ready, StartFailed, StopEngine, Stopped,
@@ -125,5 +125,5 @@ def _read_commands(commands, loop: EngineLoop) -> None:
             try:
                 compile_grammar(loop.engine, cmd.admission)
             except Exception as e:
-                cmd.refused = portable(e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}"))
+                cmd.refused = add_error(e)  # the sink's `added` makes it portable
         loop.submit(cmd)

@@ -82,6 +82,12 @@ def compile_grammar(engine: LLMEngine, admission: Admission) -> None:
         engine.grammars.compile(spec)
 
 
+def add_error(e: Exception) -> Exception:
+    """What an add that raised answers: a ValueError as raised (bad input, its field named), anything else as a
+    RuntimeError with its type (this request's problem only, never the loop's)."""
+    return e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+
+
 def judge_safely(judge: Judge | None, lane: str, request, aborted: bool) -> Verdict | None:
     """A finished sequence's SLO verdict (None when aborted or nobody judges); a judge that raises is logged."""
     if aborted or judge is None:
@@ -198,7 +204,7 @@ class EngineLoop:
                 self._tracked[spec.request_id] = _Tracked(adm, token, spec, req)
                 added.append(spec.request_id)
         except Exception as e:  # ValueError for bad input; anything else is also this request's problem only
-            error = e if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+            error = add_error(e)
             for rid in added:
                 self._tracked.pop(rid, None)
                 self.engine.abort_request(rid)

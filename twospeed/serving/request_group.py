@@ -129,7 +129,7 @@ class RequestGroup:
 
     async def next(self) -> StreamItem:
         item = await self.queue.get()
-        if isinstance(item, StreamItem):
+        if self.max_backlog is not None:
             self.backlog -= item_bytes(item)
         return self.take(item)
 
