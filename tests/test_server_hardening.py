@@ -319,7 +319,9 @@ def test_made_up_lanes_past_the_bound_run_in_the_default_lane(server):
             return gaps
 
     gaps = asyncio.run(scrapes_beside_a_stream())
-    assert len(gaps) > 20 and max(gaps) < 0.5, (len(gaps), sorted(gaps)[-5:])
+    # Rendered on the loop, every burst stalled the stream (five gaps of 0.35-0.74 s); off the loop, at most one
+    # gap passes 0.3 s (a full-suite run once saw a single 0.59 s one among 169 gaps under 0.05 s)
+    assert len(gaps) > 20 and sum(g > 0.3 for g in gaps) <= 1, (len(gaps), sorted(gaps)[-5:])
 
 
 def test_a_stream_nobody_reads_is_aborted_past_its_backlog_bound():
