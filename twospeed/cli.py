@@ -40,8 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             hint = hints[name]
             base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
             kind = _bool if base is bool else base if base in (int, float) else str
+            flag = {"nargs": "?", "const": True} if base is bool else {}  # a bare --deterministic means true
             parser.add_argument(f"--{flat.replace('_', '-')}", dest=flat, type=kind, default=None,
-                                help=f"{klass.__name__}.{name}")
+                                help=f"{klass.__name__}.{name}", **flag)
     parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                         help='SpecConfig as JSON, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 

@@ -252,6 +252,9 @@ class EngineConfig:
     # Time a few real steps at start-up to seed the step cost model (engine/cost_probe.py; ~290 prompt tokens);
     # False starts from a roofline guess, which the engine's own steps then correct.
     cost_probe: bool = True
+    # Batch-invariant steps (model/batch_invariant.py): a greedy request's tokens do not depend on the batch around
+    # it, on how its prompt was chunked, or on whether speculation verified them; at a cost in speed.
+    deterministic: bool = False
     num_threads: int | None = None  # CPU threads per step; None = torch's setting (the cores this process may use)
     # While other processes take cores, step with fewer threads so none waits at a barrier for a descheduled
     # peer (engine/threads.py; Linux /proc/stat); back to num_threads when they go.

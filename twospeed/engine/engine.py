@@ -51,6 +51,7 @@ from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.engine.spec import make_speculator
 from twospeed.engine.stop import Stop, check_stop
+from twospeed.model.batch_invariant import make_batch_invariant
 from twospeed.model.builtin import resolve_model_path
 from twospeed.model.compute_dtype import auto_dtype
 from twospeed.model.loader import load_model, load_model_config
@@ -80,8 +81,9 @@ class LLMEngine:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         # Fewer threads while other processes take cores (engine/threads.py); the count set here is the ceiling.
+        # Deterministic: the thread count stays put, as a kernel's split of its work may follow it.
         self.threads = (ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
-                        if config.adapt_threads and self.device.type == "cpu" else None)
+                        if config.adapt_threads and not config.deterministic and self.device.type == "cpu" else None)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             from twospeed.model.tokenizer import Tokenizer
@@ -104,6 +106,8 @@ class LLMEngine:
         self.model = load_model(self.model_path, self.dtype, self.device, max_positions=max_len,
                                 linear_backend=config.linear_backend, attention_backend=config.attention_backend,
                                 quantization=config.quantization, kv_cache_dtype=cache.kv_cache_dtype)
+        if config.deterministic:
+            make_batch_invariant(self.model)
         self.kv = KVCacheManager(self.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  pool=LazyBlockPool(self.num_blocks, cache.enable_prefix_caching))
         self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size, self.device, self.dtype)

@@ -92,10 +92,11 @@ class ModelRunner:
         for c, table in zip(ordered[d:], tables[d:]):
             ctx = c.start + c.num_tokens
             table = table[: -(-ctx // bs)]
-            if c.num_tokens <= SHORT_CHUNK:
+            if c.num_tokens <= SHORT_CHUNK or self.model.batch_invariant:
                 # A token or two on a context (a grammar-forced token, a one-token prompt or last chunk): attend
                 # as that many decodes, query i at position start + i over its own prefix. A prefill pass would
-                # sweep the whole context's V for them, every layer.
+                # sweep the whole context's V for them, every layer. Batch-invariant: every chunk, so a row's
+                # attention is the same whether it is decoded, verified or prefilled (model/batch_invariant.py).
                 meta.decodes.append(self._decode_group(offset, [table] * c.num_tokens,
                                                        list(range(c.start + 1, ctx + 1))))
             else:

@@ -107,6 +107,9 @@ class TorchPagedAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gqa = num_heads != num_kv_heads
         self.kv = kv or KVFormat()  # how K and V are stored in the cache (model/kv_format.py)
+        # Every query row attends by itself, at its own width (model/batch_invariant.py): SDPA's blocking
+        # follows the padded width of a group, so a row's sums would otherwise depend on its neighbours.
+        self.batch_invariant = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -124,23 +127,35 @@ class TorchPagedAttention:
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor) -> None:
-        g = self.num_heads // self.num_kv_heads
         for group in meta.decodes:
-            s, n = group.start, group.num_tokens
-            if group.mask is None:  # built once per step, shared by the layers
-                width = group.block_tables.shape[1] * k_cache.shape[1]
-                group.mask = decode_mask(group.seq_lens, width, meta.sliding_window, q.device)
-            # [n * max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]. index_select copies whole blocks (memcpy rows);
-            # advanced indexing (k_cache[tables]) took 3-10x longer for the same bytes.
-            ids = group.block_tables.view(-1)
-            kd = self.kv.decode(self.kv.gather(k_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
-            vd = self.kv.decode(self.kv.gather(v_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
-            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
-            # The G query heads of one KV head become its "query length": [n, KVH, G, hd]. One dense SDPA
-            # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
-            qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
-            out[s:s + n] = od.reshape(n, self.num_heads, self.head_dim)
+            if self.batch_invariant:
+                bs = k_cache.shape[1]
+                for i, n in enumerate(group.seq_lens.tolist()):
+                    table = group.block_tables[i:i + 1, :-(-n // bs)]
+                    row = DecodeGroup(group.start + i, 1, table, group.seq_lens[i:i + 1])
+                    self.decode_group(q, k_cache, v_cache, row, meta.sliding_window, out)
+            else:
+                self.decode_group(q, k_cache, v_cache, group, meta.sliding_window, out)
+
+    def decode_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                     sliding_window: int | None, out: torch.Tensor) -> None:
+        """One padded SDPA call for the group's single-query rows."""
+        g = self.num_heads // self.num_kv_heads
+        s, n = group.start, group.num_tokens
+        if group.mask is None:  # built once per step, shared by the layers
+            width = group.block_tables.shape[1] * k_cache.shape[1]
+            group.mask = decode_mask(group.seq_lens, width, sliding_window, q.device)
+        # [n * max_blocks, bs, KVH, hd] -> [n, KVH, L, hd]. index_select copies whole blocks (memcpy rows);
+        # advanced indexing (k_cache[tables]) took 3-10x longer for the same bytes.
+        ids = group.block_tables.reshape(-1)
+        kd = self.kv.decode(self.kv.gather(k_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
+        vd = self.kv.decode(self.kv.gather(v_cache, ids), q.dtype).view(n, -1, self.num_kv_heads, self.head_dim)
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
+        # The G query heads of one KV head become its "query length": [n, KVH, G, hd]. One dense SDPA
+        # call, no repeated K/V (head h reads KV head h // G, as HF's repeat_interleave does).
+        qd = q[s:s + n].view(n, self.num_kv_heads, g, self.head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
+        out[s:s + n] = od.reshape(n, self.num_heads, self.head_dim)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:

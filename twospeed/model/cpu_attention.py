@@ -113,8 +113,10 @@ class CpuPagedAttention(TorchPagedAttention):
     def fused_rope_ok(self, qkv: torch.Tensor) -> bool:
         """forward_fused applies: bf16 on CPU with both kernels (its prefill must not need the fresh k, v), and a
         decode-sized step: the kernel's RoPE is scalar, slower than torch's vector ops over a long prefill
-        (1024 tokens: +18 ms) and faster where torch's per-op dispatch dominates (batch 1: -0.5 ms a step)."""
-        return (qkv.shape[0] <= 64 and self.prefill_kernel is not None and qkv.dtype == torch.bfloat16
+        (1024 tokens: +18 ms) and faster where torch's per-op dispatch dominates (batch 1: -0.5 ms a step).
+        Batch-invariant: every step, so a row's RoPE never changes path with the row count."""
+        return ((qkv.shape[0] <= 64 or self.batch_invariant) and self.prefill_kernel is not None
+                and qkv.dtype == torch.bfloat16
                 and qkv.device.type == "cpu" and qkv.stride(1) == 1)
 
     def forward_fused(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,

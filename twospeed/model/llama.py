@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         # itself (plain weights) or holds its own copy in its format (packed or quantized), loaded from the table.
         self.lm_head = fmt.linear(cfg.hidden_size, cfg.vocab_size, False)
         self.head_shares_embedding = cfg.tie_word_embeddings and fmt.shares_tied_embedding
+        self.batch_invariant = False  # every row computed the same way whatever the step: model/batch_invariant.py
         if self.head_shares_embedding:
             self.lm_head.weight = self.embed_tokens.weight
 
