@@ -255,6 +255,9 @@ class EngineConfig:
     # Batch-invariant steps (model/batch_invariant.py): a greedy request's tokens do not depend on the batch around
     # it, on how its prompt was chunked, or on whether speculation verified them; at a cost in speed.
     deterministic: bool = False
+    # Return the C heap's free pages to the OS at most this often, at the end of a step (engine/heap_trim.py):
+    # activations of ever-new sizes fragment glibc's heap, and RSS would climb across distinct prompts. 0: never.
+    heap_trim_interval_s: float = 10.0
     num_threads: int | None = None  # CPU threads per step; None = torch's setting (the cores this process may use)
     # While other processes take cores, step with fewer threads so none waits at a barrier for a descheduled
     # peer (engine/threads.py; Linux /proc/stat); back to num_threads when they go.

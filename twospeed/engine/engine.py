@@ -40,6 +40,7 @@ from twospeed.engine.isolation import execute_isolating, sample_isolating
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.cost_probe import probe, roofline_prior
 from twospeed.engine.engine_stats import EngineMemory, StepStats
+from twospeed.engine.heap_trim import HeapTrimmer
 from twospeed.engine.threads import ThreadGovernor
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.lazy_pool import LazyBlockPool
@@ -133,6 +134,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()  # the server compiles grammars in worker threads too
         self.last_stats: StepStats | None = None
         self.num_step_failures = 0  # steps that raised and were isolated to the request(s) that caused it
+        self.heap = HeapTrimmer(config.heap_trim_interval_s if self.device.type == "cpu" else None)
         self._counter = 0
 
     def memory(self) -> EngineMemory:
@@ -280,6 +282,7 @@ class LLMEngine:
             target_time=out.target_time, prefill_budget=out.prefill_budget, time_bound=out.time_bound,
             num_threads=self.threads.threads if self.threads is not None else 1,
             num_draft_tokens=out.num_draft_tokens, num_accepted_tokens=accepted, propose_time=propose_time)
+        self.heap.maybe_trim()  # after the step's clock: a trim delays the next step, it is not this step's work
         return outputs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]):
