@@ -104,3 +104,30 @@ def test_auto_is_reported_not_judged(client):
             jsonschema.validate(args, closed(PARAMS[call.function.name]))
             right += call.function.name == tool and value in json.dumps(args)
     print(f"auto: {calls}/{len(PROMPTS)} answered with a call, {right} with the right tool and argument")
+
+
+def test_deterministic_mode_answers_the_same_alone_batched_and_speculated():
+    """On the real model in the dtype `auto` picks (bf16 where the CPU has bf16 kernels, where near-ties flip with
+    the batch by default): greedy chat answers are identical alone, beside random requests, and verified by
+    prompt-lookup speculation (model/batch_invariant.py)."""
+    import random
+
+    from twospeed import LLM, SamplingParams
+
+    opts = dict(deterministic=True, max_model_len=1024, num_gpu_blocks=256)
+    llm = LLM("smollm2", **opts)
+    tok = llm.engine.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)
+               for c in ("Write a short poem about the sea.", "List three uses of a hash map.",
+                         "Explain what a KV cache is in two sentences.")]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate([p], greedy)[0].token_ids for p in prompts]
+    rng = random.Random(0)
+    others = [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
+    batched = llm.generate(others[:2] + prompts + others[2:], greedy)[2:5]
+    assert [o.token_ids for o in batched] == alone
+    spec = LLM("smollm2", spec_method="ngram", prompt_lookup_min=1, prompt_lookup_max=3, spec_auto_fallback=False,
+               **opts)
+    outs = spec.generate(prompts, greedy)
+    assert sum(o.spec.accepted for o in outs) > 0
+    assert [o.token_ids for o in outs] == alone
