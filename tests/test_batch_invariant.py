@@ -98,3 +98,17 @@ def test_a_fixed_row_linear_row_equals_that_row_alone(rows, tile, pick, dtype, q
     assert batch.shape == (rows, 80)
     assert torch.equal(batch[i], fixed.forward(x[i:i + 1].clone())[0])
     assert torch.allclose(batch.float(), lin.forward(x).float(), rtol=2e-2, atol=2e-2)  # the same linear
+
+
+def test_the_flag_reaches_the_engine_config():
+    """`serve --deterministic` (a bare boolean flag means true; `--flag false` still turns one off)."""
+    import argparse
+
+    from twospeed.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--deterministic"]))["deterministic"] is True
+    assert engine_kwargs(parser.parse_args(["--deterministic", "false", "--cost-probe", "no"])) == {
+        "deterministic": False, "cost_probe": False}
+    assert "deterministic" not in engine_kwargs(parser.parse_args([]))
