@@ -77,7 +77,7 @@ class StepBuilder:
     def run(self, chunks: list[ScheduledChunk]) -> float:
         eng = self.eng
         t = time.perf_counter()
-        logits, sampling = eng.runner.execute(chunks, eng.kv)
+        logits, sampling, _ = eng.runner.execute(chunks, eng.kv)
         if sampling:
             eng.sampler(logits, [c.request for c in sampling])
         return time.perf_counter() - t

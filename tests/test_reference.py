@@ -123,6 +123,38 @@ def test_logprobs_close_to_hf(reference):
             assert list(lp.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("setup", ["chunks-of-9", "warm-cache", "preempted"])
+def test_prompt_logprobs_close_to_hf(reference, setup):
+    """fp32 prompt logprobs (vLLM's prompt_logprobs) within 1e-4 of HF's forward pass over the prompt: None for the
+    first token, then each token's logprob, rank and top 3, whether the prompt ran in chunks, was cached already
+    (a request asking for them computes every position: the bill shows no hit) or was preempted and recomputed
+    (no position is scored twice)."""
+    arch, path, model, prompts, expected = reference
+    opts = {"chunks-of-9": dict(block_size=8, max_num_batched_tokens=9),
+            "warm-cache": dict(block_size=4, max_num_batched_tokens=16),
+            "preempted": dict(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16)}[setup]
+    llm = float32_llm(path, **opts)
+    if setup == "warm-cache":
+        llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
+    outs = llm.generate(prompts, [greedy(n, prompt_logprobs=3) for n in MAX_TOKENS])
+    if setup == "preempted":
+        assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out, exp in zip(prompts, outs, expected):
+        assert out.token_ids == exp
+        assert out.bill.cached_tokens == 0 and out.bill.prefilled_tokens == len(prompt)
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j, lp in enumerate(out.prompt_logprobs[1:], start=1):
+            row = ref[j - 1]
+            assert lp.token_id == prompt[j]
+            assert lp.logprob == pytest.approx(row[prompt[j]].item(), abs=1e-4)
+            assert lp.rank == int((row > row[prompt[j]]).sum()) + 1
+            top = row.topk(3)
+            assert list(lp.top) == top.indices.tolist()
+            assert list(lp.top.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
 def test_bfloat16_matches_hf_within_topk(tmp_path):
     """bf16: greedy tokens equal, or at the first difference each side's token is in the other's top-5."""
     model = write_hf_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)

@@ -367,6 +367,33 @@ def test_echo(client):
     assert r.choices[0].text.startswith("Echo me")
 
 
+def test_prompt_logprobs_are_the_engines(client, reference):
+    """vLLM's prompt_logprobs (completions: per choice; chat: once per response) and OpenAI's echo with logprobs
+    carry the engine's own prompt logprobs, token for token."""
+    ids = reference.tokenizer.encode("The prefill phase reads the whole prompt")
+    [ref] = reference.generate([ids], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1))
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=3, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for entry, lp in zip(got[1:], ref.prompt_logprobs[1:]):
+        assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+        assert entry[str(lp.token_id)]["rank"] == lp.rank
+        assert {k for k in entry} == {str(t) for t in lp.top} | {str(lp.token_id)}
+    echo = client.completions.create(model="demo", prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lps = echo.choices[0].logprobs
+    assert len(lps.tokens) == len(ids) + 3 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1:len(ids)] == pytest.approx([lp.logprob for lp in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert lps.token_logprobs[len(ids):] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
+    assert "".join(lps.tokens[len(ids):]) == echo.choices[0].text.removeprefix(reference.tokenizer.decode(ids))
+    assert all(len(top) <= 2 for top in lps.top_logprobs[1:])  # the n asked for, plus the token itself
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    prompt = chat.model_extra["prompt_logprobs"]
+    assert prompt[0] is None and all(len(e) == 1 for e in prompt[1:])
+    assert len(prompt) == chat.usage.prompt_tokens
+
+
 # -- bad input: OpenAI-style 400s, and the server keeps serving -----------------------------------
 BAD = [
     ("completions", b"{not json", None),
@@ -406,7 +433,9 @@ BAD = [
     ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"five": 10}}, "logit_bias"),
     ("completions", {"model": "demo", "prompt": "hi", "logit_bias": {"99999999": 10}}, "logit_bias"),
     ("completions", {"model": "demo", "prompt": "hi", "min_tokens": 10**23, "max_tokens": None}, "min_tokens"),
-    ("completions", {"model": "demo", "prompt": "hi", "prompt_logprobs": 2}, "prompt_logprobs"),
+    ("completions", {"model": "demo", "prompt": "hi", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("completions", {"model": "demo", "prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs"),
+    ("completions", {"model": "demo", "prompt": "hi", "echo": True, "logprobs": 1, "stream": True}, "echo"),
     # a number Python cannot even convert (over 4,300 digits) is out of range like any other
     ("completions", b'{"model": "demo", "prompt": "hi", "max_tokens": ' + b"9" * 5001 + b"}", "max_tokens"),
     ("chat/completions", b'{"model": "demo", "messages": [{"role": "user", "content": "x"}], "seed": -'

@@ -68,7 +68,8 @@ def test_the_clocks_stamps_are_all_shifted():
 def test_deltas_add_up_to_the_engines_outputs_exactly(engine):
     prompt = engine.tokenizer.encode("the latency of a token is two speeds you you you")
     specs = [SequenceSpec("a", prompt, SamplingParams(max_tokens=24, temperature=0, stop=["u y"]), 0),
-             SequenceSpec("b", prompt[:7], SamplingParams(max_tokens=9, temperature=0, logprobs=3), 1),
+             SequenceSpec("b", prompt[:7], SamplingParams(max_tokens=9, temperature=0, logprobs=3, prompt_logprobs=2),
+                          1),
              SequenceSpec("c", prompt[3:], SamplingParams(max_tokens=12, temperature=0.8, seed=7,
                                                           stop_token_ids=[5]), 2)]
     want = outputs(engine, specs)
@@ -81,7 +82,8 @@ def test_deltas_add_up_to_the_engines_outputs_exactly(engine):
     # prompt text is None in the server (it sends token ids), the new_* fields are the deltas', and the clock, bill
     # and speculation trace are compared below.
     assert {f.name for f in dataclasses.fields(RequestOutput)} == {*compared, "logprobs", "clock", "bill", "prompt",
-                                                                   "spec", "new_token_ids", "new_text"}
+                                                                   "spec", "new_token_ids", "new_text",
+                                                                   "prompt_logprobs"}
     streamed: dict[str, str] = {}
     finals = {}
     for item in items(engine, specs):
@@ -106,11 +108,13 @@ def test_deltas_add_up_to_the_engines_outputs_exactly(engine):
         for name in compared:
             assert getattr(out, name) == getattr(ref, name), name
         assert out.logprobs == ref.logprobs and out.bill == ref.bill and out.spec == ref.spec
+        assert out.prompt_logprobs == ref.prompt_logprobs
         assert streamed[rid] == out.text  # what streamed adds up to the whole text (held-back text included)
         assert got.verdict == Verdict("default", True)
         assert len(out.clock.token_times) == len(ref.clock.token_times)
     assert finals["a"].output.stop_reason == "u y"  # the stop string held text back and cut it
     assert finals["b"].output.logprobs and len(finals["b"].output.logprobs) == 9
+    assert len(finals["b"].output.prompt_logprobs) == 7 and finals["b"].output.prompt_logprobs[0] is None
     assert any(f.output.spec.proposed for f in finals.values())
 
 

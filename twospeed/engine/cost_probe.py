@@ -76,7 +76,7 @@ def probe(runner, kv: KVCacheManager, sampler, model: LinearCostModel, max_len: 
 
     def run(chunks: list[ScheduledChunk], observe: bool = True) -> None:
         start = time.perf_counter()
-        logits, sampling = runner.execute(chunks, kv)
+        logits, sampling, _ = runner.execute(chunks, kv)
         if sampling:
             sampler(logits, [c.request for c in sampling])
         if observe:

@@ -232,9 +232,13 @@ class LLMEngine:
         errored: list[Request] = []
         accepted = 0
         if out.chunks:
-            logits, sampling, failed = execute_isolating(lambda chunks: self.runner.execute(chunks, self.kv),
-                                                         out.chunks)
+            logits, sampling, prompt, failed = execute_isolating(
+                lambda chunks: self.runner.execute(chunks, self.kv), out.chunks)
             errored += self._fail_all(failed, "running the model")
+            for p in prompt:  # raw logits, before any processor: vLLM's prompt logprobs
+                if not p.request.is_finished:
+                    ids = p.request.prompt_token_ids[p.first:p.first + len(p.logits)]
+                    p.request.prompt_logprobs += self.sampler.score(p.logits, ids, p.request.params.prompt_logprobs)
             touched += errored
             out.chunks = [c for c in out.chunks if not c.request.is_finished]
             self.scheduler.update_after_step(out, time.monotonic())
@@ -409,7 +413,8 @@ class LLMEngine:
             if req.detokenizer is not None:
                 req.text = req.detokenizer.output_text
             delta.finish = Finish(req.finish_reason, req.stop_reason, req.text, req.clock, req.bill,
-                                  req.spec if self.speculator is not None else None, req.num_preemptions, req.error)
+                                  req.spec if self.speculator is not None else None, req.num_preemptions, req.error,
+                                  req.prompt_logprobs)
         return delta
 
     def _output(self, req: Request) -> RequestOutput:
@@ -424,5 +429,5 @@ class LLMEngine:
             finished=req.is_finished, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             clock=req.clock, bill=req.bill, num_preemptions=req.num_preemptions, error=req.error,
-            spec=req.spec if self.speculator is not None else None)
+            spec=req.spec if self.speculator is not None else None, prompt_logprobs=req.prompt_logprobs)
 

@@ -22,28 +22,30 @@ from collections.abc import Callable
 import torch
 
 from twospeed.engine.request import Logprob, Request
+from twospeed.engine.runner import PromptLogits
 from twospeed.engine.scheduler import ScheduledChunk
 
-Execute = Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[ScheduledChunk]]]
+Execute = Callable[[list[ScheduledChunk]], tuple[torch.Tensor, list[ScheduledChunk], list[PromptLogits]]]
 # (logits, requests, each one's draft tokens) -> (each one's emitted tokens, their logprobs); see Sampler.verify
 Sample = Callable[[torch.Tensor, list[Request], list[list[int]]], tuple[list[list[int]], list[list[Logprob | None]]]]
 
 
 def execute_isolating(execute: Execute, chunks: list[ScheduledChunk]
-                      ) -> tuple[torch.Tensor | None, list[ScheduledChunk], dict[Request, Exception]]:
+                      ) -> tuple[torch.Tensor | None, list[ScheduledChunk], list[PromptLogits], dict[Request, Exception]]:
     """execute(chunks), or on failure the same by halves: (logits of the chunks that ran, those sampling
-    chunks in logits order, the culprits). logits is None when no sampling chunk ran."""
+    chunks in logits order, their prompt rows' logits, the culprits). logits is None when no sampling chunk ran."""
     try:
-        logits, sampling = execute(chunks)
-        return logits, sampling, {}
+        logits, sampling, prompt = execute(chunks)
+        return logits, sampling, prompt, {}
     except Exception as e:
         if len(chunks) == 1:
-            return None, [], {chunks[0].request: e}
+            return None, [], [], {chunks[0].request: e}
     parts = [execute_isolating(execute, half) for half in (chunks[:len(chunks) // 2], chunks[len(chunks) // 2:])]
-    tensors = [logits for logits, _, _ in parts if logits is not None and len(logits)]
-    sampling = [c for _, s, _ in parts for c in s]
-    failed = {req: e for _, _, f in parts for req, e in f.items()}
-    return (torch.cat(tensors) if tensors else None), sampling, failed
+    tensors = [logits for logits, _, _, _ in parts if logits is not None and len(logits)]
+    sampling = [c for _, s, _, _ in parts for c in s]
+    prompt = [p for _, _, ps, _ in parts for p in ps]
+    failed = {req: e for _, _, _, f in parts for req, e in f.items()}
+    return (torch.cat(tensors) if tensors else None), sampling, prompt, failed
 
 
 def sample_isolating(sample: Sample, generator: torch.Generator, logits: torch.Tensor, requests: list[Request],

@@ -28,6 +28,7 @@ class Finish:
     spec: SpecTrace | None = None  # speculation's acceptance trace (None where the engine does not speculate)
     num_preemptions: int = 0
     error: str | None = None  # why the engine failed it (reason "error")
+    prompt_logprobs: list[Logprob | None] | None = None  # when asked: per prompt token, None for the first
 
 
 @dataclass(slots=True)
@@ -76,4 +77,4 @@ class SequenceOutput:
             token_ids=list(self.token_ids), text=f.text, new_token_ids=[], new_text="", finished=True,
             finish_reason=f.reason, stop_reason=f.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None, clock=f.clock, bill=f.bill,
-            num_preemptions=f.num_preemptions, error=f.error, spec=f.spec)
+            num_preemptions=f.num_preemptions, error=f.error, spec=f.spec, prompt_logprobs=f.prompt_logprobs)

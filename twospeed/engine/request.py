@@ -235,6 +235,9 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.max_output_tokens = max_output_tokens  # params.max_tokens clipped to max_model_len
         self.logprobs: list[Logprob] = []
+        # params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it); filled as the
+        # prompt's chunks run (engine/runner.py's prompt rows)
+        self.prompt_logprobs: list[Logprob | None] | None = [None] if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
         self.high_water = 0  # positions [0, high_water) were computed or served from cache at least once
         self.generator = None  # torch.Generator when params.seed is set (made by the sampler)
@@ -306,3 +309,4 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     spec: SpecTrace | None = None  # the acceptance trace (None when the engine does not speculate)
+    prompt_logprobs: list[Logprob | None] | None = None  # when asked: per prompt token, None for the first

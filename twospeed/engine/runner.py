@@ -11,10 +11,13 @@ position too, each the next-token logits after the tokens before it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
+from twospeed.engine.request import Request
 from twospeed.engine.scheduler import ScheduledChunk
 from twospeed.model import formats
 from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
@@ -26,6 +29,16 @@ GiB = 1 << 30
 # kernel (whose 16-row tasks are mostly empty lanes for so few rows), 8 tokens 0.87 ms against 0.51 ms
 # (BENCHMARKS.md, measured before the kernel stopped transposing the whole context's V each call).
 SHORT_CHUNK = 2
+
+
+@dataclass(slots=True)
+class PromptLogits:
+    """Logits at prompt positions of a request that asked for prompt logprobs: row i predicts prompt token
+    first + i (its position first + i - 1 computed this step)."""
+
+    request: Request
+    first: int
+    logits: torch.Tensor  # [n, vocab] float32
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -57,9 +70,11 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def execute(self, chunks: list[ScheduledChunk], kv: KVCacheManager
+                ) -> tuple[torch.Tensor, list[ScheduledChunk], list[PromptLogits]]:
         """Run one step. Returns logits [S, vocab] float32 and the sampling chunks they belong to, in that order:
-        each chunk's num_logits rows (1, or 1 + num_draft for a verify chunk) one after another."""
+        each chunk's num_logits rows (1, or 1 + num_draft for a verify chunk) one after another; and the prompt
+        rows' logits of the requests that asked for prompt logprobs."""
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.start)
         ordered = decodes + [c for c in chunks if c.num_tokens > 1]
         bs = self.block_size
@@ -68,6 +83,8 @@ class ModelRunner:
         slots: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []  # (request, first prompt token predicted, rows)
         for c in ordered:
             table = kv.block_ids(c.request.request_id)
             tables.append(table)
@@ -79,6 +96,14 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(c.start, end)]
             if c.samples:
                 sample_rows += range(len(ids) - c.num_logits, len(ids))
+            if (want := c.request.prompt_logprobs) is not None:
+                # position p predicts prompt token p + 1; the last prompt position samples the first output token.
+                # From the first token not yet scored: a recomputed prompt (preemption) scores nothing twice.
+                lo, hi = max(c.start, len(want) - 1), min(end, c.request.num_prompt_tokens - 1)
+                if hi > lo:
+                    base = len(ids) - c.num_tokens - c.start  # row of position p: base + p
+                    prompt_rows += range(base + lo, base + hi)
+                    prompt_spans.append((c.request, lo + 1, hi - lo))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                                  num_decode_tokens=sum(1 for c in ordered if c.num_tokens == 1),
@@ -115,8 +140,13 @@ class ModelRunner:
                 context_len=torch.tensor([p.context_len for p in meta.prefills], dtype=torch.int64, device=dev))
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                             torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.int64, device=dev)])
-        return logits, [c for c in ordered if c.samples]
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.int64, device=dev)
+        logits = self.model.compute_logits(hidden[rows])
+        prompt, at = [], len(sample_rows)
+        for req, first, n in prompt_spans:
+            prompt.append(PromptLogits(req, first, logits[at:at + n]))
+            at += n
+        return logits[:len(sample_rows)], [c for c in ordered if c.samples], prompt
 
     def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         """Single-query rows [start, start + len(lens)): block tables padded to the longest (the portable path

@@ -97,6 +97,12 @@ class Sampler:
             k += len(ts)
         return out_tokens, lps
 
+    @staticmethod
+    def score(logits: torch.Tensor, token_ids: list[int], n: int) -> list[Logprob]:
+        """Row i's logprob of token_ids[i], its rank and the top n: prompt logprobs, from the raw logits."""
+        lp = torch.log_softmax(logits, dim=-1)
+        return [_logprob(lp[i], t, n) for i, t in enumerate(token_ids)]
+
     def _logprobs(self, raw: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[Logprob | None]:
         want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         logprobs: list[Logprob | None] = [None] * len(requests)

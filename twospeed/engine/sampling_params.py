@@ -100,6 +100,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs of each output token (plus the sampled one)
+    # vLLM's: top-n logprobs of each prompt token after the first (plus the prompt's own token). The request then
+    # computes every prompt position (no prefix-cache hit: a cached position has no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | dict[str, Any] | None = None  # constrained output; a dict is a JSON schema
     speculate: bool | None = None  # False: never speculate for this request; None/True: as the engine is set
@@ -137,8 +140,9 @@ class SamplingParams:
             raise InvalidParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidParam("seed", f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise InvalidParam("logprobs", f"logprobs must be >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InvalidParam(name, f"{name} must be >= 0, got {getattr(self, name)}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParam("stop", "stop strings must be non-empty strings")
         if any(not valid_unicode(s) for s in self.stop):
@@ -164,6 +168,7 @@ class SamplingParams:
         self.top_k = _int("top_k", self.top_k)
         self.seed = None if self.seed is None else _int("seed", self.seed)
         self.logprobs = None if self.logprobs is None else _int("logprobs", self.logprobs)
+        self.prompt_logprobs = None if self.prompt_logprobs is None else _int("prompt_logprobs", self.prompt_logprobs)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidParam("stop_token_ids",
                                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")

@@ -197,7 +197,7 @@ class Scheduler:
         # Requests scheduled before a preempted one moved up; keep the running order for the chunk list.
         out.chunks = [scheduled[r.request_id] for r in self.running if r.request_id in scheduled]
         for req, n in short:  # their share was held above; none is admitted in a step that preempted
-            cached = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
+            cached = self._cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             if (out.preempted or num_cached + n != req.num_tokens
                     or not self.kv.allocate_slots(req.request_id, req.num_tokens, cached)):
@@ -208,7 +208,7 @@ class Scheduler:
         while (self.waiting and share.room(budget) > 0 and len(self.running) < self.cfg.max_num_seqs
                and not out.preempted):
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)
+            cached = self._cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
             if not self.cfg.enable_chunked_prefill and n > share.room(budget):
@@ -243,7 +243,7 @@ class Scheduler:
             if (req.num_preemptions or share.room(budget) <= 0
                     or len(self.running) + len(picked) >= self.cfg.max_num_seqs):
                 break
-            num_cached = len(self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes)) * bs
+            num_cached = len(self._cached_prefix(req)) * bs
             n = req.num_tokens - num_cached
             blocks = -(-n // bs)
             if rank(req) <= overtaken and blocks <= free and share.whole(req, num_cached, budget):
@@ -266,6 +266,10 @@ class Scheduler:
         n = min(req.num_tokens, (start // bs + 1) * bs) - start
         share.add(ScheduledChunk(req, start, n))
         return n
+
+    def _cached_prefix(self, req: Request) -> list:
+        """The cached blocks a waiting request starts from (none for one that must compute every position)."""
+        return self.kv.find_cached_prefix(req.all_token_ids, req.block_hashes) if reads_cache(req) else []
 
     def _admit(self, req: Request, num_cached: int, n: int, now: float) -> ScheduledChunk:
         """A waiting request whose slots are allocated starts running with a chunk of n tokens after its cache hit."""
@@ -310,7 +314,7 @@ class Scheduler:
         rate, ahead = 0.0, 0
         for req in [r for r in self.running if not in_decode(r)] + self.waiting[:QUEUE_SCAN]:
             done = (req.num_computed_tokens if req.status == RequestStatus.RUNNING
-                    else self.kv.cached_prefix_len(req.all_token_ids, req.block_hashes))
+                    else self.kv.cached_prefix_len(req.all_token_ids, req.block_hashes) if reads_cache(req) else 0)
             ahead += max(0, req.num_tokens - done)
             left = req.clock.arrival + horizon - now
             rate = max(rate, ahead / max(left, floor))
@@ -383,6 +387,11 @@ class Scheduler:
 SHORT_PROMPT_SCAN = 16
 # Queued prompts looked at for the prefill pace a step must keep (Scheduler.queued_prefill_rate).
 QUEUE_SCAN = 64
+
+
+def reads_cache(req: Request) -> bool:
+    """A request asking for prompt logprobs computes its whole prompt: a prefix-cache hit has no logits."""
+    return req.params.prompt_logprobs is None
 
 
 def in_decode(req: Request) -> bool:

@@ -150,7 +150,7 @@ class DraftModelProposer:
             if n == todo:
                 want[req.request_id] = (i, gamma)
         while chunks:
-            logits, sampling = self.runner.execute(chunks, self.kv)
+            logits, sampling, _ = self.runner.execute(chunks, self.kv)
             for c in chunks:
                 c.request.num_computed_tokens = c.start + c.num_tokens
                 self.kv.cache_full_blocks(c.request.request_id, c.request.all_token_ids,

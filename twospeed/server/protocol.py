@@ -16,7 +16,7 @@ Structured output: `response_format` (json_object, json_schema) on both endpoint
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs` ({"json" | "regex" | "choice" |
 "grammar" | "json_object"}), and `tools` + `tool_choice` on chat, become a StructuredOutput the engine compiles
 (llguidance); at most one of them a request. vLLM extras that change the output and are not implemented here
-(prompt_logprobs, beam search, allowed_token_ids, bad_words, ...) are a 400 naming the field when set, never
+(beam search, allowed_token_ids, bad_words, ...) are a 400 naming the field when set, never
 ignored. Objects in those schemas
 admit only their declared properties (engine/json_schema.closed, as OpenAI's strict mode and xgrammar) unless
 the schema says otherwise; `"strict": false` on the json_schema or the function restores JSON Schema's open
@@ -72,7 +72,7 @@ def check_schema(schema: Any, param: str, where: str) -> dict | bool:
 # vLLM's request extras that change what is generated and are not implemented here: a 400 when set to anything
 # but their neutral value (None: any value), never silently ignored.
 VLLM_UNSUPPORTED: dict[str, Any] = {
-    "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None,
     "bad_words": None, "truncate_prompt_tokens": None, "guided_whitespace_pattern": None, "logits_processors": None,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "vllm_xargs": None,
     "guided_decoding": None,
@@ -118,6 +118,7 @@ class _SamplingRequest(_Model):
     presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
     repetition_penalty: FiniteFloat | None = Field(None, gt=0)
     logit_bias: dict[str, Annotated[FiniteFloat, Field(ge=-100, le=100)]] | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's; not with stream, as there
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -137,6 +138,8 @@ class _SamplingRequest(_Model):
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options is only allowed when stream is true")
         self.token_bias()  # raises on keys that are not token ids
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedValue("prompt_logprobs", "prompt_logprobs are not available when stream is enabled")
         for name, neutral in VLLM_UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value != neutral:
@@ -234,6 +237,10 @@ class _SamplingRequest(_Model):
             return guided[0]
         return "response_format" if self.response_format_output() is not None else None
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top-n the engine scores each prompt token with (None: it scores none)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = self.seed
@@ -249,7 +256,7 @@ class _SamplingRequest(_Model):
             speculate=self.speculate, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=self.token_bias())
+            logit_bias=self.token_bias(), prompt_logprobs=self.engine_prompt_logprobs())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -269,8 +276,15 @@ class CompletionRequest(_SamplingRequest):
             raise UnsupportedValue("suffix", "suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedValue("best_of", "best_of other than n is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedValue("echo", "echo with logprobs (prompt logprobs) is not supported by this server")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise UnsupportedValue("echo", "echo with logprobs is not available when stream is enabled (it needs "
+                                           "the prompt's logprobs)")
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI's legacy completions: the echoed tokens' logprobs)."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [n for n in (self.prompt_logprobs, echoed) if n is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, a list of strings, token ids, or a list of token-id lists."""

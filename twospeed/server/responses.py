@@ -7,6 +7,8 @@ the Server-Timing header.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import uuid
@@ -139,6 +141,38 @@ def completion_logprobs(token_text: Callable[[int], str], lps: list[Logprob], of
         top.append(d)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps], "top_logprobs": top,
             "text_offset": offsets}
+
+
+def completion_echo_logprobs(token_text: Callable[[int], str], prompt_ids: list[int], prompt: list[Logprob | None],
+                             lps: list[Logprob], n: int) -> dict:
+    """echo with logprobs, as OpenAI's legacy completions send it: the prompt's tokens, then the output's; the
+    first prompt token has no logprob (null), the others their top n (the engine may have scored more)."""
+    scored = [dataclasses.replace(lp, top=dict(list(lp.top.items())[:n])) for lp in prompt[1:]]
+    body = completion_logprobs(token_text, scored + lps, 0)
+    first = token_text(prompt_ids[0])
+    body["tokens"].insert(0, first)
+    body["token_logprobs"].insert(0, None)
+    body["top_logprobs"].insert(0, None)
+    body["text_offset"] = [0] + [o + len(first) for o in body["text_offset"]]
+    return body
+
+
+def prompt_logprobs_json(token_text: Callable[[int], str], lps: list[Logprob | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt's own token and the n most likely."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": token_text(t)}
+             for r, (t, v) in enumerate(lp.top.items(), start=1)}
+        d.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": token_text(lp.token_id)})
+        out.append(d)
+    return out
 
 
 def chat_logprobs(token_text: Callable[[int], str], lps: list[Logprob], top_n: int) -> dict:

@@ -21,7 +21,8 @@ from twospeed.server.errors import ERROR_RESPONSES
 from twospeed.server.openapi import body as body_doc
 from twospeed.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                                       TokenizeCompletionRequest)
-from twospeed.server.responses import chat_logprobs, completion_logprobs, tool_call_json, usage_json
+from twospeed.server.responses import (chat_logprobs, completion_echo_logprobs, completion_logprobs, prompt_logprobs_json,
+                                       tool_call_json, usage_json)
 from twospeed.server.state import ServerState, State
 from twospeed.server.streaming import NO_TOKENS, SSEResponse, collect, final_response, stream_events
 from twospeed.server.tool_calls import as_generated
@@ -69,10 +70,16 @@ async def completions(request: Request, state: State):
         if body.echo:
             prompt_text, ids = prompts[f.index // body.n]
             text = (prompt_text if prompt_text is not None else _decode(state, ids)) + text
-        choice = {"index": f.index, "text": text,
-                  "logprobs": (completion_logprobs(state.token_text, out.logprobs or [], 0)
-                               if body.logprobs is not None else None),
+        logprobs = None
+        if body.logprobs is not None and body.echo:
+            logprobs = completion_echo_logprobs(state.token_text, out.prompt_token_ids, out.prompt_logprobs,
+                                                out.logprobs or [], body.logprobs)
+        elif body.logprobs is not None:
+            logprobs = completion_logprobs(state.token_text, out.logprobs or [], 0)
+        choice = {"index": f.index, "text": text, "logprobs": logprobs,
                   "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(state.token_text, out.prompt_logprobs)
         if body.return_token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -140,9 +147,12 @@ async def chat_completions(request: Request, state: State):
         if body.return_token_ids:
             choice["token_ids"] = out.token_ids
         choices.append(choice)
+    extra = {}
+    if body.prompt_logprobs is not None:  # vLLM's: once per response, the prompt is every choice's
+        extra["prompt_logprobs"] = prompt_logprobs_json(state.token_text, finals[0].output.prompt_logprobs)
     return final_response(group, finals, {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-        "choices": choices, "system_fingerprint": None, "usage": usage_json(finals, [len(ids)], body.n)})
+        "choices": choices, "system_fingerprint": None, "usage": usage_json(finals, [len(ids)], body.n), **extra})
 
 
 class _ChatDelta:

@@ -183,8 +183,9 @@ def item_bytes(item: StreamItem) -> int:
     if delta is None:
         return 64
     size = 200 + 16 * len(delta.new_token_ids) + 2 * len(delta.new_text)
-    for lp in delta.new_logprobs or ():
-        size += 64 + 48 * len(lp.top)
+    prompt = delta.finish.prompt_logprobs if delta.finish is not None else None
+    for lp in [*(delta.new_logprobs or ()), *(prompt or ())]:
+        size += 64 + 48 * len(lp.top) if lp is not None else 8
     return size
 
 
