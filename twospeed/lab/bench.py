@@ -1,11 +1,13 @@
 """`twospeed bench`: replay a workload against an OpenAI-compatible endpoint and report both speeds per lane.
 
-Open loop (requests go out on the workload's arrival schedule, whatever the server does) unless
+Before any traffic the server is probed (server_kind.py: twospeed, vLLM, llama.cpp or another OpenAI-compatible
+server, and the context length it states) and the workload fitted to that context (fit.py). Open loop (requests
+go out on the workload's arrival schedule, whatever the server does) unless
 `concurrency` is set (closed loop: that many users, each sending when its last answer is done). An arrival
 of a job lane is a whole agent job, whose calls go out one after another (job_runner.py). Every request is
 streamed and timed token by token (client.py), judged by its lane's gate and SLO, and billed (results.py);
 jobs get their own clock and bill (job_results.py); the server's /metrics is scraped before, during and
-after; the lane's prompts are scored for prefix stability; every lane is diagnosed (diagnose.py). Output:
+after (a peer's clock is read from it, or from each response, by its kind); the lane's prompts are scored for prefix stability; every lane is diagnosed (diagnose.py). Output:
 results.json, requests.csv, jobs.csv and report.html in `out`, and a console summary.
 """
 
@@ -23,8 +25,11 @@ import httpx
 import numpy as np
 
 from twospeed.lab import bill as billing
-from twospeed.lab import diagnose, gates, job_results, prefix_score, results, scrape
+from twospeed.lab import diagnose, gates, job_results, prefix_score, provenance, results, scrape
 from twospeed.lab.client import Response, stream_request
+from twospeed.lab.fit import Fit, fit_workload
+from twospeed.lab.lane_facts import queue_share
+from twospeed.lab.server_kind import GENERIC, ServerInfo, probe
 from twospeed.lab.job_runner import JobRun, run_job
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planned, Planner
@@ -62,6 +67,8 @@ class BenchConfig:
     metrics_period: float = 2.0
     prompts: str | None = None  # every lane's prompts: "synthetic" | "task" (the task corpus); None = the lanes'
     endpoint: str | None = None  # every lane's endpoint: "completions" | "chat" (an instruct model); None = the lanes'
+    max_model_len: int | None = None  # the server's context where it states none (lowers what it states)
+    strict_lengths: bool = False  # refuse a workload that does not fit the context instead of fitting it
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -79,6 +86,8 @@ class BenchConfig:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.max_model_len is not None and self.max_model_len < 64:
+            raise ValueError(f"--max-model-len must be >= 64, got {self.max_model_len}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"--url must be http(s)://HOST:PORT/v1, got {self.url!r}")
         self.url = self.url.rstrip("/")
@@ -102,8 +111,18 @@ def _model_config(path) -> dict:
         return {}
 
 
-def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | str | None]:
-    """Load and check everything that can be wrong before any traffic is sent."""
+def probe_server(cfg: BenchConfig) -> ServerInfo:
+    """The server's kind and context length (raises ConnectionError when it cannot be reached)."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), headers=headers) as client:
+        return probe(cfg.url, client, cfg.max_model_len)
+
+
+def prepare(cfg: BenchConfig, info: ServerInfo | None = None,
+            fit: Fit | None = None) -> tuple[Workload, Planner, TokenCounter, Path | str | None]:
+    """Load and check everything that can be wrong before any traffic is sent; with the server's `info`, fit the
+    workload to its context (or pass a saved run's `fit` to rebuild its very prompts). The fit is the planner's
+    (planner.config.fit)."""
     workload = load_workload(cfg.workload)
     if cfg.endpoint is not None and cfg.endpoint not in ("completions", "chat"):
         raise ValueError(f"endpoint must be completions or chat, got {cfg.endpoint!r}")
@@ -116,28 +135,28 @@ def prepare(cfg: BenchConfig) -> tuple[Workload, Planner, TokenCounter, Path | s
         workload.price = Price.parse(cfg.price)
     tok = _tokenizer_path(cfg)
     counter = TokenCounter(tok)
-    planner = Planner(workload, PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale,
-                                           max_prompt_tokens=cfg.max_prompt_tokens, rate=cfg.rate,
-                                           max_output_tokens=cfg.max_output_tokens,
-                                           summarize_dumps=cfg.summarize_dumps, unstable_prefix=cfg.unstable_prefix,
-                                           prompts=cfg.prompts),
-                      counter)
+    plan = PlanConfig(seed=cfg.seed, salt=cfg.salt, scale=cfg.scale, max_prompt_tokens=cfg.max_prompt_tokens,
+                      rate=cfg.rate, max_output_tokens=cfg.max_output_tokens, summarize_dumps=cfg.summarize_dumps,
+                      unstable_prefix=cfg.unstable_prefix, prompts=cfg.prompts)
+    if fit is None and info is not None:
+        probe_planner = Planner(workload, plan, counter)  # only for the lanes' dump policy
+        fit = fit_workload(workload, info.context_length, info.context_source, cfg.scale, counter.exact,
+                           cfg.strict_lengths, probe_planner.summarize, cfg.max_prompt_tokens, cfg.max_output_tokens,
+                           lambda: [(counter.billed(t.prompt, workload.lane(t.lane).endpoint), t.max_tokens)
+                                    for t in workload.trace or [] if t.calls is None])
+    plan.fit = fit
+    planner = Planner(workload, plan, counter)
     return workload, planner, counter, tok
 
 
-async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter: TokenCounter, progress) -> dict:
+async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter: TokenCounter, progress,
+                 info: ServerInfo) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    kind = info.kind
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=10.0), limits=limits,
                                  headers=headers) as client:
-        try:
-            r = await client.get(cfg.url + "/models")
-        except httpx.HTTPError as e:
-            raise ConnectionError(f"cannot reach {cfg.url}: {e}") from None
-        if r.status_code in (401, 403):
-            raise ConnectionError(f"{cfg.url}: HTTP {r.status_code} (an --api-key is needed)")
-        memory = server_memory(r)
-        before = await scrape.scrape(client, cfg.url)
+        before = await scrape.scrape(client, cfg.url, kind.metric_buckets)
         responses: list[Response] = []
         jobs: list[JobRun] = []
         start = time.perf_counter()
@@ -147,7 +166,7 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
 
         async def send(p: Planned) -> Response:
             resp = await stream_request(client, cfg.url, workload.lane(p.lane), p, cfg.model, counter, start,
-                                        cfg.ignore_eos)
+                                        cfg.ignore_eos, kind)
             responses.append(resp)
             return resp
 
@@ -190,19 +209,22 @@ async def _drive(cfg: BenchConfig, workload: Workload, planner: Planner, counter
         wall = time.perf_counter() - start
         stop.set()
         await sampler
-        after = await scrape.scrape(client, cfg.url)
+        after = await _settled_scrape(client, cfg.url, kind, before, sum(r.status == 200 for r in responses))
     return {"responses": responses, "jobs": jobs, "wall": wall, "before": before, "after": after,
-            "timeline": timeline, "memory": memory}
+            "timeline": timeline, "memory": info.memory}
 
 
-def server_memory(models: httpx.Response) -> dict | None:
-    """twospeed's /v1/models metadata (weight and KV formats, block size, KV bytes per token); None elsewhere."""
-    try:
-        data = models.json().get("data") or [{}]
-        memory = data[0].get("twospeed")
-        return memory if isinstance(memory, dict) else None
-    except (ValueError, AttributeError, IndexError):
-        return None
+async def _settled_scrape(client: httpx.AsyncClient, url: str, kind, before: dict | None, accepted: int,
+                          wait_s: float = 5.0) -> dict | None:
+    """/metrics after the run, scraped again (for at most `wait_s`) until the server counts every request it
+    accepted as finished: a peer records a request's histograms just after its last chunk goes out."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        after = await scrape.scrape(client, url, kind.metric_buckets)
+        done = kind.finished(before, after)
+        if done is None or done >= accepted or time.perf_counter() > deadline:
+            return after
+        await asyncio.sleep(0.25)
 
 
 def run_bench(cfg: BenchConfig, console=None) -> dict:
@@ -211,7 +233,10 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
-    workload, planner, counter, tok = prepare(cfg)
+    info = probe_server(cfg)
+    workload, planner, counter, tok = prepare(cfg, info)
+    for line in planner.config.fit.lines():
+        console.print(line, highlight=False, markup=False)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     total = cfg.requests if cfg.requests is not None else None
     with Progress(TextColumn("[bold]bench[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -225,8 +250,8 @@ def run_bench(cfg: BenchConfig, console=None) -> dict:
             errors += failed
             bar.update(task, advance=1, errors=errors)
 
-        raw = asyncio.run(_drive(cfg, workload, planner, counter, progress))
-    doc = assemble(cfg, workload, counter, raw, started, _model_config(tok), planner)
+        raw = asyncio.run(_drive(cfg, workload, planner, counter, progress, info))
+    doc = assemble(cfg, workload, counter, raw, started, _model_config(tok), planner, info)
     doc["diagnosis"] = [d.as_dict() for d in diagnose.diagnose(doc)]
     if cfg.out:
         out = Path(cfg.out)
@@ -266,24 +291,30 @@ def _prefix_check(responses: list[Response], lane, counter: TokenCounter, block_
 
 
 def _lane_summary(cfg: BenchConfig, workload: Workload, lane, records: list[dict], jobs: list[dict],
-                  responses: list[Response], planner_policy: dict, counter: TokenCounter, wall: float,
+                  responses: list[Response], planner: Planner | None, counter: TokenCounter, wall: float,
                   block_size: int) -> dict:
     summary = results.lane_summary(records, lane.slo, workload.price, cfg.seed, wall)
     if jobs:
         window = lane.job.window_s if lane.job else None
         summary["jobs"] = job_results.jobs_summary(jobs, window, wall, cfg.seed)
-    summary["policy"] = planner_policy
+    summary["policy"] = planner.policy(lane) if planner else None
     summary["prefix"] = _prefix_check(responses, lane, counter, block_size)
-    summary["prefix_tokens"] = round(lane.prefix_tokens * cfg.scale)
+    summary["prefix_tokens"] = round(lane.prefix_tokens * (planner.scale(lane) if planner else cfg.scale))
     return summary
 
 
 def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: dict, started: str,
-             model_config: dict, planner: Planner | None = None) -> dict:
+             model_config: dict, planner: Planner | None = None, info: ServerInfo | None = None) -> dict:
+    kind = info.kind if info is not None else GENERIC
     judged = {id(r): results.record(r, workload, counter) for r in raw["responses"]}
     records = sorted(judged.values(), key=lambda r: (r["index"], r["turn"] or 0))
+    run_clock = kind.run_clock(raw["before"], raw["after"])
+    clock = run_clock.as_dict() if run_clock else None
+    active = {r["lane"] for r in records}
+    lane_clock = clock if clock is not None and len(active) == 1 else None  # the run's clock is the lane's
+    share = queue_share(lane_clock)
     jobs = sorted((job_results.job_record(run, [judged[id(c)] for c in run.calls],
-                                          _window(workload, run.planned.lane), workload.price)
+                                          _window(workload, run.planned.lane), workload.price, share)
                    for run in raw.get("jobs", [])), key=lambda j: j["index"])
     by_lane = {lane.name: [r for r in raw["responses"] if r.planned.lane == lane.name] for lane in workload.lanes}
     memory = raw.get("memory") or {}
@@ -292,13 +323,17 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
     per_token = memory.get("kv_bytes_per_token") or billing.kv_bytes_per_token(model_config)
     lanes = {lane.name: _lane_summary(cfg, workload, lane, [r for r in records if r["lane"] == lane.name],
                                       [j for j in jobs if j["lane"] == lane.name], by_lane[lane.name],
-                                      planner.policy(lane) if planner else None, counter, raw["wall"], block_size)
-             for lane in workload.lanes if any(r["lane"] == lane.name for r in records)}
+                                      planner, counter, raw["wall"], block_size)
+             for lane in workload.lanes if lane.name in active}
+    for summary in lanes.values():
+        summary["server_clock"] = lane_clock
     lags = [r["lag_s"] for r in records if r["lag_s"] is not None]
     sources = {r["token_source"] for r in records if r["token_source"]}
     after = raw["after"]
     cached_blocks = (after or {}).get(scrape.CACHED_BLOCKS)
-    kind = "twospeed" if scrape.is_twospeed(after) or any(r["server_ttft_s"] is not None for r in records) else "other"
+    twospeed = scrape.is_twospeed(after) or any(r.get("clock_source") == "twospeed" for r in records)
+    kind_name = kind.name if kind is not GENERIC else ("twospeed" if twospeed else "other")
+    fit = planner.config.fit if planner is not None else None
     return {
         "schema_version": results.SCHEMA_VERSION,
         "run": {"workload": workload.name, "workload_digest": workload.digest, "seed": cfg.seed, "salt": cfg.salt,
@@ -310,12 +345,15 @@ def assemble(cfg: BenchConfig, workload: Workload, counter: TokenCounter, raw: d
                 "ignore_eos": cfg.ignore_eos,
                 "policy": {"summarize_dumps": cfg.summarize_dumps, "unstable_prefix": cfg.unstable_prefix},
                 "token_source": sources.pop() if len(sources) == 1 else ("mixed" if sources else "none"),
-                "server_kind": kind},
+                "server_kind": kind_name, "max_model_len": getattr(cfg, "max_model_len", None),
+                "strict_lengths": getattr(cfg, "strict_lengths", False),
+                "fit": fit.as_dict() if fit is not None else None,
+                "clock_sources": provenance.clock_sources(records, clock, len(active), kind.label)},
         "workload": workload.source,
         "lanes": lanes,
         "total": results.lane_summary(records, None, workload.price, cfg.seed, raw["wall"]),
         "client": client_lag(lags, cfg.late_threshold),
-        "server": {"metrics_delta": scrape.delta(raw["before"], after),
+        "server": {"metrics_delta": scrape.delta(raw["before"], after), "clock": clock,
                    "kv_memory": billing.kv_memory(cached_blocks, block_size, per_token),
                    "memory": raw.get("memory"),
                    "timeline": raw["timeline"]},

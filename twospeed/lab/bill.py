@@ -1,8 +1,9 @@
 """The split bill of a run: input tokens that paid a full prefill, cached prefix tokens, output tokens,
 goodput tokens, money from a price table, and the KV memory that cached prefixes hold while they wait.
 
-Token counts come from the server's own bill (twospeed's `twospeed.bill`) when it sends one, else from
-OpenAI's `usage` (`prompt_tokens_details.cached_tokens`), else from the client's count.
+Token counts come from the server's own bill (twospeed's `twospeed.bill`) when it sends one, else from a peer's
+per-request clock (llama.cpp's `timings`: cache_n cached, prompt_n computed), else from OpenAI's `usage`
+(`prompt_tokens_details.cached_tokens`), else from the client's count.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens",
 
 
 def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: int, client_output_tokens: int,
-                 good: bool) -> dict:
-    """One request's bill (token counts) from the best source available."""
+                 good: bool, clock=None) -> dict:
+    """One request's bill (token counts) from the best source available (`clock`: a server_kind.RequestClock)."""
     sb = (server or {}).get("bill")
     if sb:
         prompt, cached, out = sb["prompt_tokens"], sb["cached_tokens"], sb["output_tokens"]
+    elif clock is not None and clock.cached_tokens is not None and clock.computed_tokens is not None:
+        cached = clock.cached_tokens
+        prompt = cached + clock.computed_tokens
+        out = (usage or {}).get("completion_tokens", clock.output_tokens if clock.output_tokens is not None
+                                else client_output_tokens)
     elif usage:
         prompt = usage.get("prompt_tokens", client_prompt_tokens)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

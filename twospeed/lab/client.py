@@ -19,6 +19,7 @@ import httpx
 
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import Planned
+from twospeed.lab.server_kind import ANY, RequestClock, ServerKind
 from twospeed.lab.workload import Lane
 
 LANE_HEADER = "x-twospeed-lane"
@@ -83,6 +84,8 @@ class Response:
     server: dict | None = None  # the request's `twospeed` object (clock, bill, slo) when the server is twospeed
     finished: float | None = None  # s from run start: the stream was read to its end
     gate: object = None  # a job call's gate verdict (gates.GateResult), judged by the job runner
+    peer: dict = field(default_factory=dict)  # a peer's per-response objects (llama.cpp's `timings`), by key
+    clock: RequestClock | None = None  # the request's clock and bill as its server reported them
 
 
 def request_body(lane: Lane, planned: Planned, model: str, ignore_eos: bool) -> tuple[str, dict]:
@@ -118,8 +121,10 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
 
 
 async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, planned: Planned, model: str,
-                         counter: TokenCounter, run_start: float, ignore_eos: bool = False) -> Response:
-    """Send one streamed request and time every chunk; errors are recorded, never raised."""
+                         counter: TokenCounter, run_start: float, ignore_eos: bool = False,
+                         kind: ServerKind = ANY) -> Response:
+    """Send one streamed request and time every chunk; errors are recorded, never raised. `kind` (the server's
+    format, server_kind.py) keeps its per-response objects and reads the request's server clock from them."""
     path, body = request_body(lane, planned, model, ignore_eos)
     chunks: list[Chunk] = []
     texts: list[str] = []
@@ -139,6 +144,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
                     err = event["error"]
                     resp.error = str(err.get("message", err) if isinstance(err, dict) else err)
                     break
+                kind.observe(event, resp)
                 ts = event.get("twospeed") or {}
                 if event.get("usage"):
                     resp.usage = event["usage"]
@@ -164,5 +170,6 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
         resp.error = f"{type(e).__name__}: {e}"
     resp.text = "".join(texts)
     resp.timing = reconstruct(chunks, send, source)
+    resp.clock = kind.request_clock(resp)
     resp.finished = time.perf_counter() - run_start
     return resp

@@ -27,6 +27,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply prompt lengths (e.g. 0.25 for a 4k-context model)")
     p.add_argument("--max-prompt-tokens", type=int, help="cap every prompt at this many tokens")
     p.add_argument("--max-output-tokens", type=int, help="cap every request's max_tokens")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="the server's context (prompt + output) where it states none; the lab reads it from "
+                        "/v1/models (twospeed, vLLM) or /props (llama.cpp) and fits every prompt to it before sending")
+    p.add_argument("--strict-lengths", action="store_true",
+                   help="refuse a workload whose requests do not fit the server's context instead of scaling or "
+                        "capping its prompts")
     p.add_argument("--salt", help="first line of every prompt (default: random, so no earlier run's cache is hit)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/twospeed extension)")
     p.add_argument("--summarize-dumps", type=int, metavar="TOKENS",

@@ -6,7 +6,8 @@ one table below. A rule names its lever, the part of the time it acts on, and a 
 evidence or None. Levers that only save time need misses to act on (or a lane with no objective, where all
 user-visible time counts); `waste` levers (tokens or cache thrown away) apply even when every objective was
 met. Levers are ranked by the share of the problem time their part holds, ties in table order. A lane where
-nothing fires says so. `twospeed bench` prints the diagnosis; `twospeed diagnose RUN` reprints it.
+nothing fires says so. A failed request (or a job that ended on an error) is a miss: its errors lead the lane's
+verdict with their class and count, and a lane with any is never called fine. `twospeed bench` prints the diagnosis; `twospeed diagnose RUN` reprints it.
 
 The rule of thumb it encodes: first token slow and the prompt huge -> cut it, summarize it, keep its prefix
 cached; first token fine and the stream crawls -> output length and stop rules, interference, or the memory
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from twospeed.lab import errors as error_classes
 from twospeed.lab.lane_facts import JOB_PARTS, Facts, lane_facts
 
 # Thresholds (named so the table reads as prose)
@@ -67,18 +69,32 @@ class Diagnosis:
     dominant: str | None  # the part holding most of the problem time
     levers: list[Lever] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failed: int = 0  # units that failed (requests, or jobs that ended on an error)
+    errors: int = 0  # calls that failed
+    calls: int = 0
+    errors_by_class: dict[str, int] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
         split = ", ".join(f"{p} {s:.0%}" for p, s in sorted(self.visible.items(), key=lambda x: -x[1]) if s >= 0.005)
+        split = split or "no successful request"
+        failed = ""
+        if self.errors or self.failed:
+            calls = "calls" if self.unit == "jobs" else "requests"
+            failed = f"{self.errors} of {self.calls} {calls} failed ({error_classes.text(self.errors_by_class)}); "
         if self.problem == "missed":
             unit = " calls" if self.unit == "jobs" else ""
-            by = ", ".join(f"{k} {v}{'' if k == 'window' else unit}" for k, v in sorted(self.misses_by.items()))
-            return (f"{self.missed} of {self.n} {self.unit} missed ({self.objective}; missed: {by}); {self.dominant} "
-                    f"dominates the misses ({self.split.get(self.dominant, 0):.0%} of their time). "
-                    f"User-visible time: {split}.")
+            by = ", ".join(f"{k} {v}{'' if k in ('window', 'error') else unit}" for k, v in sorted(self.misses_by.items()))
+            objective = f"{self.objective}; " if self.objective else ""
+            head = f"{failed}{self.missed} of {self.n} {self.unit} missed ({objective}missed: {by})"
+            if self.dominant is None or not self.split:
+                return f"{head}. User-visible time: {split}."
+            return (f"{head}; {self.dominant} dominates the timed misses ({self.split.get(self.dominant, 0):.0%} of "
+                    f"their time). User-visible time: {split}.")
         if self.problem == "all":
-            return f"no objective set; {self.dominant} dominates user-visible time: {split}."
+            if self.dominant is None:
+                return f"{failed}no objective set. User-visible time: {split}."
+            return f"{failed}no objective set; {self.dominant} dominates user-visible time: {split}."
         if not self.levers:
             return (f"nothing to fix: all {self.n} {self.unit} met {self.objective or 'their objectives'} and no "
                     f"lever applies. User-visible time: {split}.")
@@ -259,12 +275,21 @@ RULES: tuple[Rule, ...] = (
 
 def _notes(f: Facts) -> list[str]:
     notes = []
-    if f.errors:
-        notes.append(f"{f.errors} of {f.calls} calls failed (see requests.csv): errors are not a speed.")
-    if f.gate_rate is not None and f.gate_rate < 0.5:
+    for c, n in f.errors_by_class.items():
+        first = f.first_errors.get(c, "")
+        notes.append(f"{n} {c}: {error_classes.HINTS.get(c, error_classes.HINTS['other'])}. First: {first[:200]!r}")
+    if f.gate_rate is not None and f.gate_rate < 0.5 and f.answers:
         notes.append(f"only {f.gate_rate:.0%} of answers passed the gate: goodput is lost to quality, not speed.")
-    if not f.server_clock:
-        notes.append("no server clock: queue is not measured, so TTFT counts as prefill.")
+    if f.clock == "llama.cpp timings":
+        notes.append("prefill and decode from llama.cpp's timings per request; queue is the client's TTFT less the "
+                     "server's prompt_ms (the wait for a slot, and the HTTP hop).")
+    elif f.clock.startswith("vLLM"):
+        notes.append("queue and prefill from vLLM's /metrics histograms over this run (the run's only lane), "
+                     "apportioned over the lane's requests by their share: not per request.")
+    elif not f.server_clock and f.answers:
+        mixed = (f" (the server's /metrics clock covers the run's {f.run_clock_lanes} lanes together: run this lane "
+                 f"alone to split its queue)" if f.run_clock_lanes > 1 else "")
+        notes.append(f"no server clock: queue is not measured, so TTFT counts as prefill{mixed}.")
     if f.ignore_eos:
         notes.append("the run forced every answer to max_tokens (--ignore-eos): answer length is the workload's.")
     return notes
@@ -277,7 +302,8 @@ def diagnose_lane(f: Facts) -> Diagnosis:
     vis_total = sum(f.visible.values())
     visible = {p: f.visible.get(p, 0.0) / vis_total for p in parts} if vis_total > 0 else {}
     d = Diagnosis(f.lane, f.unit, f.n, f.missed, dict(f.misses_by), f.objective, f.problem, split, visible,
-                  max(split, key=split.get) if split else (max(visible, key=visible.get) if visible else None))
+                  max(split, key=split.get) if split else (max(visible, key=visible.get) if visible else None),
+                  failed=f.failed_units, errors=f.errors, calls=f.calls, errors_by_class=dict(f.errors_by_class))
     ranked = []
     for order, rule in enumerate(RULES):
         if f.problem == "none" and not rule.waste:

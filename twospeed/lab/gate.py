@@ -24,6 +24,7 @@ import numpy as np
 
 from twospeed.lab import gate_verdict, probes, results
 from twospeed.lab.bench import BenchConfig, prepare, run_bench
+from twospeed.lab.fit import Fit
 from twospeed.lab.compare import check_comparable
 from twospeed.lab.local_server import LocalServer
 from twospeed.lab.workload import load_workload
@@ -85,7 +86,7 @@ def bench_config(cfg: GateConfig, url: str, label: str, tokenizer: str) -> Bench
 
 def build_probe_set(cfg: GateConfig, bench: BenchConfig, doc: dict) -> list[probes.Probe]:
     """The baseline's probe set: the workload's plan (the same prompts the run sent) and the baseline's answers."""
-    workload, planner, counter, _ = prepare(bench)
+    workload, planner, counter, _ = prepare(bench, fit=Fit.from_dict(doc["run"].get("fit")))
     plan = [(p, workload.lane(p.lane).endpoint) for p in planner.open_loop(cfg.requests, None) if p.job is None]
     answers = {r["index"]: r["text"] for r in doc["requests"] if r["error"] is None and r["output_tokens"] > 0}
     return probes.build(plan, answers, counter, cfg.probes_per_lane)

@@ -28,21 +28,33 @@ JOB_CSV_FIELDS = ("index", "lane", "error", "intended_s", "sent_s", "lag_s", "wa
                   "job_gate_passed", "job_gate_reason", "window_s", "window_met", "good", "goodput_tokens", "cost_usd")
 
 
-def call_split(r: dict) -> dict:
-    """One call's queue / prefill / decode (s) from its record; zeros for a call that got no first token."""
+def call_split(r: dict, queue_share: float | None = None) -> dict:
+    """One call's queue / prefill / decode (s) from its record; zeros for a call that got no first token. Queue is
+    the server's own (twospeed); else the client's TTFT less the server's prefill (llama.cpp times prefill, not the
+    wait for a slot); else `queue_share` of TTFT (the share of queue in the server's TTFT over the lane, from vLLM's
+    /metrics); else 0 (TTFT counts as prefill)."""
     if r["error"] is not None or r["ttft_s"] is None:
         return {"queue": 0.0, "prefill": 0.0, "decode": 0.0}
-    queue = min(r["server_queue_s"] or 0.0, r["ttft_s"])
+    ttft = r["ttft_s"]
+    if r.get("server_queue_s") is not None:
+        queue = min(r["server_queue_s"], ttft)
+    elif r.get("server_prefill_s") is not None:
+        queue = max(0.0, ttft - r["server_prefill_s"])
+    elif queue_share is not None:
+        queue = ttft * queue_share
+    else:
+        queue = 0.0
     end = r["call_s"] if r.get("call_s") is not None else r["ttlt_s"]
     return {"queue": queue, "prefill": r["ttft_s"] - queue, "decode": max(0.0, end - r["ttft_s"])}
 
 
-def job_record(run: JobRun, calls: list[dict], window_s: float | None, price) -> dict:
-    """Judge and split one job; `calls` are its calls' records (results.record), in turn order."""
+def job_record(run: JobRun, calls: list[dict], window_s: float | None, price, queue_share: float | None = None) -> dict:
+    """Judge and split one job; `calls` are its calls' records (results.record), in turn order; `queue_share` as
+    in call_split."""
     wall = run.finished - run.sent
     parts = {p: 0.0 for p in PARTS}
     for r in calls:
-        for k, v in call_split(r).items():
+        for k, v in call_split(r, queue_share).items():
             parts[k] += v
     parts["tool"], parts["gate"] = run.tool_s, run.gate_s
     parts["other"] = wall - sum(parts.values())
@@ -55,18 +67,27 @@ def job_record(run: JobRun, calls: list[dict], window_s: float | None, price) ->
         "index": run.planned.index, "lane": run.planned.lane, "error": run.error,
         "intended_s": intended, "sent_s": run.sent, "lag_s": None if intended is None else run.sent - intended,
         "wall_s": wall, **{f"{p}_s": v for p, v in parts.items()},
-        "clock_source": "twospeed" if calls and all(r["server_ttft_s"] is not None for r in calls) else "client",
+        "clock_source": clock_source(calls, queue_share),
         "calls": len(calls), **b, "observation_tokens": sum(r["observation_tokens"] or 0 for r in calls),
         "cost_usd": billing.money(b, price)["total_usd"],
         "turns": [{"turn": r["turn"], "step": r["step"], "prompt_tokens": r["prompt_tokens"],
                    "cached_tokens": r["cached_tokens"], "output_tokens": r["output_tokens"],
                    "observation_tokens": r["observation_tokens"], "ttft_s": r["ttft_s"],
-                   "prefill_s": call_split(r)["prefill"]} for r in calls],
+                   "prefill_s": call_split(r, queue_share)["prefill"]} for r in calls],
         "prompt_tokens_per_turn": ";".join(str(r["prompt_tokens"]) for r in calls),
         "cached_tokens_per_turn": ";".join(str(r["cached_tokens"]) for r in calls),
         "steps_passed": run.steps_passed, "job_gate_passed": run.job_gate.passed,
         "job_gate_reason": run.job_gate.reason, "window_s": window_s, "window_met": window_met, "good": good,
     }
+
+
+def clock_source(calls: list[dict], queue_share: float | None = None) -> str:
+    """Whose clock split the job's calls: the server's per request (its name), the server's over the lane
+    (queue_share), or the client's alone."""
+    sources = {r.get("clock_source") or ("twospeed" if r.get("server_ttft_s") is not None else None) for r in calls}
+    if calls and len(sources) == 1 and None not in sources:
+        return sources.pop()
+    return "server aggregate" if queue_share is not None else "client"
 
 
 def _mean(values: list) -> float | None:

@@ -56,8 +56,10 @@ class SyntheticJob:
 
     def __init__(self, spec: JobSpec, endpoint: str, rng: np.random.Generator, counter: prompts.TokenCounter,
                  prefix: Callable[[float], str], scale: float = 1.0, summarize: Summarize | None = None,
-                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None, shared: bool = True):
+                 max_prompt_tokens: int | None = None, max_output_tokens: int | None = None, shared: bool = True,
+                 context_limit: Callable[[int], int | None] | None = None):
         self.spec, self.rng, self.counter, self.prefix = spec, rng, counter, prefix
+        self.context_limit = context_limit  # max_tokens -> the longest prompt the server's context takes with it
         self.shared = shared  # the prefix is the lane's shared one (else this job's own: nothing to share)
         self.scale, self.summarize = scale, summarize
         self.max_prompt_tokens, self.max_output_tokens = max_prompt_tokens, max_output_tokens
@@ -102,11 +104,18 @@ class SyntheticJob:
         return self._capped(call)
 
     def _capped(self, call: Call) -> Call:
-        if self.max_prompt_tokens is not None:
+        """The call, unless its prompt is over --max-prompt-tokens or (with its max_tokens) the server's context:
+        then the job ends here (ContextFull) instead of sending what the server would refuse."""
+        context = self.context_limit(call.max_tokens) if self.context_limit else None
+        if self.max_prompt_tokens is not None or context is not None:
             n = self.counter.billed(call.prompt or "", self.history.endpoint, call.messages)
-            if n > self.max_prompt_tokens:
+            if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
                 raise ContextFull(f"the job's history reached {n} prompt tokens, over --max-prompt-tokens "
                                   f"{self.max_prompt_tokens} (lower --scale, or summarize the dumps)")
+            if context is not None and n > context:
+                raise ContextFull(f"the job's history reached {n} prompt tokens, over the {context} the server's "
+                                  f"context leaves beside max_tokens {call.max_tokens} (lower --scale, or summarize "
+                                  f"the dumps)")
         return call
 
     def _summary_call(self) -> Call:
@@ -167,8 +176,10 @@ class SyntheticJob:
 class RecordedJob:
     """A traced job: its calls as recorded, each followed by its recorded tool time."""
 
-    def __init__(self, calls: list[TraceCall], max_output_tokens: int | None = None):
+    def __init__(self, calls: list[TraceCall], max_output_tokens: int | None = None,
+                 cut: Callable[[str, int], str] | None = None):
         self.calls, self.turn, self.max_output_tokens = calls, 0, max_output_tokens
+        self.cut = cut  # (prompt, max_tokens) -> the prompt cut to fit the server's context
         self.last_answer = ""
 
     def next_call(self, at_s: float = 0.0) -> Call | None:
@@ -177,7 +188,8 @@ class RecordedJob:
         c = self.calls[self.turn]
         self.turn += 1
         max_tokens = min(c.max_tokens, self.max_output_tokens) if self.max_output_tokens else c.max_tokens
-        return Call(self.turn, f"turn{self.turn}", c.prompt, None, max_tokens, meta={"prefix": ""})
+        prompt = self.cut(c.prompt, max_tokens) if self.cut else c.prompt
+        return Call(self.turn, f"turn{self.turn}", prompt, None, max_tokens, meta={"prefix": ""})
 
     def answered(self, call: Call, answer: str, gate_passed: bool) -> ToolBatch:
         self.last_answer = answer

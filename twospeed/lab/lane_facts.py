@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from twospeed.lab import errors as error_classes
 from twospeed.lab.job_results import call_split
 
 CALL_PARTS = ("queue", "prefill", "decode")
@@ -29,14 +30,19 @@ class Facts:
     unit: str  # "requests" | "jobs"
     n: int
     objective: str  # readable, "" when the lane has none
-    missed: int  # units that missed their objective
-    misses_by: dict[str, int]  # objective -> units that missed it
+    missed: int  # units that missed their objective (a failed unit missed it: "error")
+    misses_by: dict[str, int]  # objective -> units that missed it ("error": units that failed)
     problem: str  # "missed" (blame of the misses) | "all" (no objective: all user-visible time) | "none"
     time: dict[str, float]  # seconds per part over the problem set
     visible: dict[str, float]  # seconds per part over every unit
-    server_clock: bool  # queue measured (the server's clock); else TTFT counts as prefill
+    server_clock: bool  # queue measured or derived from the server's clock; else TTFT counts as prefill
     calls: int = 0
-    errors: int = 0
+    errors: int = 0  # calls that failed
+    errors_by_class: dict[str, int] = field(default_factory=dict)  # errors.py class -> failed calls
+    first_errors: dict[str, str] = field(default_factory=dict)  # class -> the first such error, as recorded
+    failed_units: int = 0  # requests that failed, or jobs that ended on an error
+    clock: str = ""  # whose clock split the time: "twospeed", "llama.cpp timings", "vLLM /metrics (lane)", ""
+    run_clock_lanes: int = 0  # the run has a /metrics clock, but over this many lanes (not this lane's alone)
     prompt_tokens: float = 0.0  # means per call
     prefilled_tokens: float = 0.0
     problem_tokens: tuple[float, float] = (0.0, 0.0)  # mean prompt and prefilled tokens of the problem set's calls
@@ -98,8 +104,8 @@ def _missed(r: dict) -> list[str]:
     return [m for m in (r.get("slo_missed") or "").split(",") if m and m != "error"]
 
 
-def _blame(r: dict) -> dict[str, float]:
-    split, out = call_split(r), {}
+def _blame(r: dict, queue_share: float | None = None) -> dict[str, float]:
+    split, out = call_split(r, queue_share), {}
     for m in _missed(r):
         for part in BLAME.get(m, ()):
             out[part] = split[part]
@@ -137,16 +143,22 @@ def _itl_misses(f: Facts, calls: list[dict]) -> None:
     f.itl_missed_max = max(longest) if longest else None
 
 
-def _calls_facts(f: Facts, calls: list[dict], run: dict) -> None:
+def _calls_facts(f: Facts, calls: list[dict], run: dict, queue_share: float | None = None) -> None:
     ok = [r for r in calls if r["error"] is None]
     f.calls, f.errors = len(calls), len(calls) - len(ok)
+    f.errors_by_class = error_classes.count(calls)
+    for r in calls:
+        if r["error"] is not None:
+            c = r.get("error_class") or error_classes.classify(r["error"], r.get("status") or 0)
+            f.first_errors.setdefault(c, r["error"])
     prompt, cached = sum(r["prompt_tokens"] for r in ok), sum(r["cached_tokens"] for r in ok)
     f.prompt_tokens = prompt / len(ok) if ok else 0.0
     f.prefilled_tokens = (prompt - cached) / len(ok) if ok else 0.0
     f.cached_share = cached / prompt if prompt else None
     f.cache_reported = run.get("server_kind") == "twospeed" or cached > 0
     timed = [r for r in ok if r["ttft_s"] is not None and r["prefilled_tokens"] >= 64]
-    pre_s = sum(r["server_prefill_s"] if r["server_prefill_s"] is not None else call_split(r)["prefill"] for r in timed)
+    pre_s = sum(r["server_prefill_s"] if r["server_prefill_s"] is not None else call_split(r, queue_share)["prefill"]
+                for r in timed)
     pre_tok = sum(r["prefilled_tokens"] for r in timed)
     f.prefill_s_per_token = pre_s / pre_tok if pre_tok else None
     answered = [r for r in ok if r["output_tokens"] > 0]
@@ -168,8 +180,25 @@ def _calls_facts(f: Facts, calls: list[dict], run: dict) -> None:
     f.repeat_share = _mean(r.get("repeat_share") for r in answered)
     queues = [r["server_queue_s"] for r in ok if r["server_queue_s"] is not None]
     f.queue_p90 = float(np.percentile(queues, 90)) if queues else None
-    f.server_clock = bool(ok) and all(r["server_ttft_s"] is not None for r in ok)
+    per_request = bool(ok) and all(_clock_of(r) for r in ok)
+    f.server_clock = per_request or (bool(ok) and queue_share is not None)
+    f.clock = _clock_of(ok[0]) if per_request else ("vLLM /metrics (lane)" if f.server_clock else "")
     f.observations = [t for r in ok if r.get("call_kind") == "step" for t in r.get("observations") or []]
+
+
+def _clock_of(r: dict) -> str:
+    """Whose per-request clock a record carries ("" when none)."""
+    if r.get("clock_source"):
+        return r["clock_source"]
+    return "twospeed" if r.get("server_ttft_s") is not None else ""
+
+
+def queue_share(server_clock: dict | None) -> float | None:
+    """The share of queue in queue + prefill over a lane's requests, from the server's /metrics histograms (the
+    part of each request's TTFT the lab books as queue when the server times no request on its own)."""
+    phases = (server_clock or {}).get("phases") or {}
+    q, p = (phases.get("queue") or {}).get("sum_s"), (phases.get("prefill") or {}).get("sum_s")
+    return q / (q + p) if q is not None and p is not None and q + p > 0 else None
 
 
 def lane_facts(doc: dict, lane: str) -> Facts:
@@ -186,20 +215,34 @@ def lane_facts(doc: dict, lane: str) -> Facts:
     f.prefix, f.prefix_tokens = summary.get("prefix"), summary.get("prefix_tokens") or 0
     f.summarize = (summary.get("policy") or {}).get("summarize")
     f.gate_rate = summary["gate"]["rate"]
-    _calls_facts(f, calls, doc["run"])
+    share = queue_share(summary.get("server_clock"))
+    _calls_facts(f, calls, doc["run"], share)
+    if share is not None:
+        queue = ((summary["server_clock"].get("phases") or {}).get("queue") or {})
+        f.queue_p90 = queue.get("p90_s") if f.queue_p90 is None else f.queue_p90
+    elif (doc.get("server") or {}).get("clock"):
+        f.run_clock_lanes = len(doc["lanes"])
     missed_time: dict[str, float] = {}
     problem_calls: list[dict] = []
+    timed = 0  # units that missed an objective with a time (not by failing)
     if jobs:
         by_job: dict[int, list[dict]] = {}
         for r in calls:
             by_job.setdefault(r["job"], []).append(r)
         for j in jobs:
             parts = {p: j[f"{p}_s"] for p in JOB_PARTS}
-            _add(f.visible, parts)
+            failed = j.get("error") is not None
+            if failed:
+                f.failed_units += 1
+                f.misses_by["error"] = f.misses_by.get("error", 0) + 1
+            else:
+                _add(f.visible, parts)
             late = not j["window_met"]
             slow_calls = [r for r in by_job.get(j["index"], []) if _missed(r)]
-            if late or slow_calls:
+            if failed or late or slow_calls:
                 f.missed += 1
+            if late or slow_calls:
+                timed += 1
                 if late:
                     f.misses_by["window"] = f.misses_by.get("window", 0) + 1
                 for r in slow_calls:
@@ -210,23 +253,30 @@ def lane_facts(doc: dict, lane: str) -> Facts:
                     problem_calls += by_job.get(j["index"], [])
                 else:
                     for r in slow_calls:
-                        _add(missed_time, _blame(r))
+                        _add(missed_time, _blame(r, share))
                     problem_calls += slow_calls
     else:
         for r in calls:
-            if r["error"] is None:
-                _add(f.visible, call_split(r))
+            if r["error"] is not None:
+                f.failed_units += 1
+                f.missed += 1
+                f.misses_by["error"] = f.misses_by.get("error", 0) + 1
+                continue
+            _add(f.visible, call_split(r, share))
             misses = _missed(r)
             if misses:
                 f.missed += 1
+                timed += 1
                 for m in misses:
                     f.misses_by[m] = f.misses_by.get(m, 0) + 1
-                _add(missed_time, _blame(r))
+                _add(missed_time, _blame(r, share))
                 problem_calls.append(r)
-    if f.missed:
+    if timed:
         f.problem, f.time = "missed", missed_time
     elif not f.objective:
-        f.problem, f.time, problem_calls = "all", dict(f.visible), calls
+        f.problem, f.time, problem_calls = "all", dict(f.visible), [r for r in calls if r["error"] is None]
+    elif f.missed:
+        f.problem, f.time = "missed", {}  # only failures: no time to blame
     ok = [r for r in problem_calls if r["error"] is None]
     if ok:
         f.problem_tokens = (_mean(r["prompt_tokens"] for r in ok), _mean(r["prefilled_tokens"] for r in ok))

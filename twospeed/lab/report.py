@@ -92,6 +92,48 @@ def spec_line(doc: dict) -> str | None:
     return "decode: " + "; ".join(parts) if parts else None
 
 
+def server_clock_line(doc: dict) -> str | None:
+    """The server's /metrics clock over the run (vLLM), beside the client's TTFT over the same requests."""
+    clock = (doc.get("server") or {}).get("clock")
+    if not clock:
+        return None
+    lanes = len(doc["lanes"])
+    scope = "this run's only lane" if lanes == 1 else f"the run's {lanes} lanes together"
+    parts = []
+    for name in ("queue", "prefill", "decode", "ttft"):
+        h = (clock.get("phases") or {}).get(name)
+        if h and h.get("mean_s") is not None:
+            tail = f" (p50 {_ms(h['p50_s'])}, p99 {_ms(h['p99_s'])})" if h.get("p99_s") is not None else ""
+            parts.append(f"{name} mean {_ms(h['mean_s'])} ms{tail}")
+    ttfts = [r["ttft_s"] for r in doc["requests"] if r["error"] is None and r["ttft_s"] is not None]
+    client = f"; client TTFT mean {_ms(float(np.mean(ttfts)))} ms" if ttfts else ""
+    hits = ""
+    if clock.get("prefix_cache_queries"):
+        hits = (f"; prefix cache served {_pct(clock['prefix_hit_rate'])} of {clock['prefix_cache_queries']:,.0f} prompt "
+                f"tokens looked up")
+    return (f"server clock ({clock['source']}, {scope}, {clock['requests']:,.0f} requests): "
+            + ", ".join(parts) + client + hits)
+
+
+def source_lines(doc: dict) -> list[str]:
+    """Where each figure came from (the client's stream or the server's report), the workload's fitting to the
+    server's context, and failures by class: the lines that say what the numbers are."""
+    from twospeed.lab.fit import Fit
+
+    run = doc["run"]
+    lines = Fit.from_dict(run["fit"]).lines() if run.get("fit") else []
+    if (line := server_clock_line(doc)) is not None:
+        lines.append(line)
+    sources = run.get("clock_sources") or {}
+    if sources:
+        lines.append("figures: " + "; ".join(f"{k} from {v}" for k, v in sources.items()))
+    for name, lane in doc["lanes"].items():
+        by = lane.get("errors_by_class") or {}
+        if by:
+            lines.append(f"errors in {name}: " + ", ".join(f"{v} {k}" for k, v in by.items()))
+    return lines
+
+
 def print_summary(doc: dict, console) -> None:
     from rich.table import Table
 
@@ -105,6 +147,8 @@ def print_summary(doc: dict, console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(throughput_line(doc), highlight=False)
+    for line in source_lines(doc):
+        console.print(line, highlight=False, markup=False)
     if (line := spec_line(doc)) is not None:
         console.print(line, highlight=False)
     jobs = job_rows(doc)
@@ -257,6 +301,7 @@ def write_html(doc: dict, out: Path) -> Path:
     from twospeed.lab.diagnose import diagnose, diagnosis_lines
 
     spec = f"<p>{html.escape(line)}</p>" if (line := spec_line(doc)) is not None else ""
+    sources = "".join(f"<p>{html.escape(line)}</p>" for line in source_lines(doc))
     diagnosis = "<h2>Diagnosis</h2><pre>" + html.escape("\n".join(diagnosis_lines(diagnose(doc)))) + "</pre>"
     c = doc["client"]
     warn = (f"<p class=warn>The client fell behind: {c['late_requests']} requests were sent late.</p>"
@@ -268,7 +313,7 @@ padding:3px 6px;text-align:right}}pre{{white-space:pre-wrap;max-width:70em}}figu
 <p>{html.escape(run['model'])} at {html.escape(run['url'])}{' (' + html.escape(run['label']) + ')' if run['label'] else ''};
 seed {run['seed']}, started {html.escape(run['started_at'])}, {run['wall_s']:.1f} s; token timing from
 {html.escape(run['token_source'])}; times in ms (TTFT: send to first content token; ITL: per token).</p>{warn}
-<table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{spec}{job_table}{figs}{diagnosis}
+<table><tr>{head}</tr>{body}</table><p>{html.escape(throughput_line(doc))}</p>{sources}{spec}{job_table}{figs}{diagnosis}
 <h2>The dashboard's views of this run</h2><p><a href="dashboard.html">dashboard.html</a>: the server's /dashboard
 panels (lanes, tokens per step, KV, the split bill, SLOs and miss causes, every request) for this run, offline.</p>
 <iframe src="dashboard.html" title="dashboard" style="width:100%;height:1400px;border:1px solid #ccc"></iframe>

@@ -15,19 +15,20 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 
-from twospeed.lab import answer_stats, gates, stats
+from twospeed.lab import answer_stats, errors, gates, stats
 from twospeed.lab import bill as billing
 from twospeed.lab.client import Response
+from twospeed.lab.server_kind import ANY
 from twospeed.lab.workload import SLO, Workload
 
 SCHEMA_VERSION = 2  # 2: job lanes (jobs, job and turn per request), throughput, prefix checks, diagnosis
 METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
-CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "intended_s", "sent_s", "lag_s", "prompt_tokens",
+CSV_FIELDS = ("index", "lane", "job", "turn", "step", "status", "error", "error_class", "intended_s", "sent_s", "lag_s", "prompt_tokens",
               "prompt_tokens_asked", "cached_tokens", "prefilled_tokens", "observation_tokens", "output_tokens", "max_tokens", "needed_tokens",
               "goodput_tokens", "forced_tokens", "cost_usd", "ttft_s", "ttlt_s", "call_s", "tpot_s",
               "itl_p50_s", "itl_p99_s", "itl_max_s", "num_chunks", "chunk_gap_p50_s", "chunk_gap_max_s",
-              "token_source", "server_queue_s", "server_route_s", "server_prefill_s", "server_ttft_s", "server_ttlt_s",
-              "server_decode_steps", "server_interfered_steps", "server_slo_met", "spec_proposed", "spec_accepted",
+              "token_source", "clock_source", "server_queue_s", "server_route_s", "server_prefill_s", "server_decode_s",
+              "server_ttft_s", "server_ttlt_s", "server_decode_steps", "server_interfered_steps", "server_slo_met", "spec_proposed", "spec_accepted",
               "spec_verify_steps", "spec_acceptance_length", "steps", "steps_per_token", "finish_reason", "gate_passed",
               "gate_reason", "slo_met", "slo_missed", "good")
 
@@ -89,9 +90,12 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     itl_p99 = _pct(t.itl, 99) if ok else None
     missed = judge_slo(lane.slo, t.ttft if ok else None, itl_p99, t.ttlt if ok else None) if ok else ["error"]
     good = ok and gate.passed and not missed
-    counted = 0 if resp.usage or resp.server else _client_prompt_tokens(p, lane.endpoint, counter)
-    b = billing.request_bill(resp.usage, resp.server, counted, t.output_tokens if t else 0, good)
-    clock = (resp.server or {}).get("clock") or {}
+    c = resp.clock if resp.clock is not None else ANY.request_clock(resp)  # a Response built without a stream
+    counted = 0 if resp.usage or resp.server or c else _client_prompt_tokens(p, lane.endpoint, counter)
+    b = billing.request_bill(resp.usage, resp.server, counted, t.output_tokens if t else 0, good, c)
+    clock = {} if c is None else {"queue_ms": c.queue_ms, "route_ms": c.route_ms, "prefill_ms": c.prefill_ms,
+                                  "decode_ms": c.decode_ms, "ttft_ms": c.ttft_ms, "ttlt_ms": c.ttlt_ms,
+                                  "decode_steps": c.decode_steps, "interfered_steps": c.interfered_steps}
     slo = (resp.server or {}).get("slo") or {}
     spec = (resp.server or {}).get("spec") or {}
     steps = _steps(clock, t) if ok else None
@@ -99,6 +103,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     return {
         "index": p.index, "lane": lane.name, "job": info.job if info else None, "turn": info.turn if info else None,
         "step": info.step if info else None, "status": resp.status, "error": resp.error,
+        "error_class": errors.classify(resp.error, resp.status),
         "intended_s": resp.intended, "sent_s": resp.sent,
         "lag_s": None if resp.intended is None else resp.sent - resp.intended,
         **b, "prompt_tokens_asked": p.meta.get("prompt_tokens_asked"),
@@ -115,9 +120,9 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "num_chunks": len(t.chunk_gaps) + 1 if t and t.output_tokens else 0,
         "chunk_gap_p50_s": _pct(t.chunk_gaps, 50) if t else None,
         "chunk_gap_max_s": max(t.chunk_gaps) if t and t.chunk_gaps else None,
-        "token_source": t.source if t else None,
+        "token_source": t.source if t else None, "clock_source": c.source if c else None,
         "server_queue_s": _s(clock.get("queue_ms")), "server_route_s": _s(clock.get("route_ms")),
-        "server_prefill_s": _s(clock.get("prefill_ms")),
+        "server_prefill_s": _s(clock.get("prefill_ms")), "server_decode_s": _s(clock.get("decode_ms")),
         "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
         "server_decode_steps": clock.get("decode_steps"), "server_interfered_steps": clock.get("interfered_steps"),
         "server_slo_met": slo.get("met"), "spec_verify_steps": spec.get("verify_steps"),
@@ -172,7 +177,7 @@ def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s:
     b = billing.total(records)
     attainment = met / n if n else None
     return {
-        "requests": n, "errors": n - len(ok),
+        "requests": n, "errors": n - len(ok), "errors_by_class": errors.count(records),
         "stats": {m: stats.summarize(v, seed=seed) for m, v in values.items()},
         "gate": {"passed": passed, "rate": passed / n if n else None, "rate_ci": stats.proportion_ci(passed, n),
                  "failures": _top_reasons([r["gate_reason"] for r in records if not r["gate_passed"]])},

@@ -3,7 +3,9 @@
 Each lane's arrivals are drawn from its own process at its share of the rate; each request's prompt is drawn
 from a generator seeded by (seed, lane, index), so a request's bytes do not depend on the order in which the
 plan is built (closed-loop runs build prompts lazily). `--scale` multiplies every prompt length and
-`max_prompt_tokens` caps each prompt, so every workload fits a small-context model. With the target's tokenizer
+`max_prompt_tokens` caps each prompt, so every workload fits a small-context model; a `fit` (fit.py, from the
+context the server states) scales some lanes on their own and caps each prompt at the context less its own
+max_tokens. With the target's tokenizer
 a prompt bills exactly prefix_tokens + prompt_tokens (salt, BOS and chat wrapper inside the count), as the
 peers' random datasets do. A job lane's arrival is a job: its script (job_script.py) builds each call's
 prompt from the job's history while it runs. The harness policies (a stable or clock-stamped system block,
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from twospeed.lab import arrivals, prompts, task_prompts
+from twospeed.lab.fit import Fit
 from twospeed.lab.job_prompt import system_block
 from twospeed.lab.job_script import RecordedJob, SyntheticJob
 from twospeed.lab.job_spec import Summarize
@@ -39,6 +42,7 @@ class PlanConfig:
     summarize_dumps: int | None = None  # job lanes: cap tool dumps at this many tokens (0 = off; None = the workload's)
     unstable_prefix: bool = False  # stamp the send time into every shared prefix (defeats the prefix cache)
     prompts: str | None = None  # every lane's prompt source ("synthetic" | "task"); None = each lane's own
+    fit: Fit | None = None  # the workload fitted to the server's context: per-lane scales, per-request caps
 
     def __post_init__(self) -> None:
         if self.prompts is not None and self.prompts not in PROMPT_SOURCES:
@@ -77,6 +81,17 @@ class Planner:
         self.turns: dict[str, int] = {}
         self.overhead: dict[str, int] = {}  # per lane: billed tokens beyond prefix + new part (template, BOS, salt)
 
+    def scale(self, lane: Lane) -> float:
+        """The lane's prompt scale: --scale, or what fitting it to the server's context left."""
+        fit = self.config.fit
+        return fit.scale(lane.name, self.config.scale) if fit is not None else self.config.scale
+
+    def limit(self, max_tokens: int) -> int | None:
+        """The longest prompt a request with this max_tokens may send: --max-prompt-tokens and the context."""
+        caps = [c for c in (self.config.max_prompt_tokens,
+                            self.config.fit.limit(max_tokens) if self.config.fit else None) if c is not None]
+        return min(caps) if caps else None
+
     def _rng(self, *key: int) -> np.random.Generator:
         return np.random.default_rng([self.config.seed, *key])
 
@@ -87,7 +102,7 @@ class Planner:
     def _prefix(self, lane: Lane, lane_idx: int, request: int | None) -> str:
         """The salt line + the lane's shared block, fitted to prefix_tokens billed tokens (BOS inside)."""
         key = (lane_idx, 1) if request is None else (lane_idx, 2, request)
-        want = round(lane.prefix_tokens * self.config.scale)
+        want = round(lane.prefix_tokens * self.scale(lane))
         if want <= 0:
             return self.salt
         asked, text = want, ""
@@ -136,9 +151,12 @@ class Planner:
         """Request (or job) `index` of `lane_name`: deterministic in (seed, lane, index)."""
         if self.workload.trace is not None:
             item = self.workload.trace[index]
+            lane = self.workload.lane(item.lane)
             if item.calls is not None:
-                return Planned(index, item.lane, offset, "", 0, job=RecordedJob(item.calls, self.config.max_output_tokens))
-            return Planned(index, item.lane, offset, item.prompt, item.max_tokens)
+                return Planned(index, item.lane, offset, "", 0, job=RecordedJob(
+                    item.calls, self.config.max_output_tokens, lambda text, m: self.cut(text, m, lane.endpoint)))
+            return Planned(index, item.lane, offset, self.cut(item.prompt, item.max_tokens, lane.endpoint),
+                           item.max_tokens)
         lane_idx = next(i for i, lane in enumerate(self.workload.lanes) if lane.name == lane_name)
         lane = self.workload.lanes[lane_idx]
         rng = self._rng(lane_idx, 3, index)
@@ -147,11 +165,11 @@ class Planner:
         if lane.job is not None:
             return Planned(index, lane.name, offset, "", 0, job=SyntheticJob(
                 lane.job, lane.endpoint, rng, self.counter, self._prefix_at(lane, prefix) if shared else lambda t: prefix,
-                self.config.scale, self.summarize(lane), self.config.max_prompt_tokens, self.config.max_output_tokens,
-                shared))
+                self.scale(lane), self.summarize(lane), self.config.max_prompt_tokens, self.config.max_output_tokens,
+                shared, self.config.fit.limit if self.config.fit else None))
         if shared and not self.prefix_stable(lane):
             prefix = self._stamped(prefix, offset if offset is not None else float(index))
-        new = max(1, round(lane.prompt_tokens.sample(rng) * self.config.scale))
+        new = max(1, round(lane.prompt_tokens.sample(rng) * self.scale(lane)))
         max_tokens = lane.max_tokens.sample(rng)
         if self.config.max_output_tokens:
             max_tokens = min(max_tokens, self.config.max_output_tokens)
@@ -162,23 +180,30 @@ class Planner:
             rng.bit_generator.state = state
             return self.source(lane).BUILDERS[lane.kind](rng, self.counter, prefix + pad, body, turn)
 
-        asked = self._target(round(lane.prefix_tokens * self.config.scale), new)
-        p, n = self._fit(lane, make, round(lane.prefix_tokens * self.config.scale), asked)
+        prefix_tokens = round(lane.prefix_tokens * self.scale(lane))
+        cap = self.limit(max_tokens)
+        asked = prefix_tokens + new if cap is None else min(prefix_tokens + new, cap)
+        p, n = self._fit(lane, make, prefix_tokens, asked, cap)
         return Planned(index, lane.name, offset, p.text, max_tokens,
                        {**p.meta, "prefix": prefix if shared else "", "prompt_tokens": n, "prompt_tokens_asked": asked})
 
-    def _target(self, prefix_tokens: int, new: int) -> int:
-        cap = self.config.max_prompt_tokens
-        return prefix_tokens + new if cap is None else min(prefix_tokens + new, cap)
+    def cut(self, text: str, max_tokens: int, endpoint: str) -> str:
+        """A trace's prompt cut to fit the context with its max_tokens (as recorded when it fits)."""
+        cap = self.limit(max_tokens)
+        for _ in range(FIT_ROUNDS):
+            n = self.counter.billed(text, endpoint) if cap is not None else 0
+            if cap is None or n <= cap:
+                return text
+            text = self.counter.truncate(text, max(1, self.counter.count(text) - (n - cap)))
+        return text
 
     def _fit(self, lane: Lane, make: Callable[[str, int], prompts.Prompt], prefix_tokens: int,
-             target: int) -> tuple[prompts.Prompt, int]:
+             target: int, cap: int | None) -> tuple[prompts.Prompt, int]:
         """The prompt billing `target` tokens. First the new part is resized by the miss; where a builder's
         structure shifts with the size (rag's passage count) and jumps over the target, a padding line of the
         missing tokens goes between the prefix and the new part. Exact with the target's tokenizer, unless the
         lane asks for fewer tokens than its prefix and template take (then the smallest prompt; the run's summary
-        counts such prompts). Returns the prompt and its billed tokens."""
-        cap = self.config.max_prompt_tokens
+        counts such prompts). No prompt over `cap` is returned. Returns the prompt and its billed tokens."""
         tried: dict[tuple[int, int], tuple[prompts.Prompt, int]] = {}
 
         def attempt(body: int, pad: int = 0) -> int:
@@ -207,8 +232,8 @@ class Planner:
                 pad += target - n
         fits = [pn for pn in tried.values() if cap is None or pn[1] <= cap]
         if not fits:
-            raise ValueError(f"lane {lane.name!r}: the shared prefix alone is over --max-prompt-tokens {cap}; "
-                             f"lower --scale")
+            raise ValueError(f"lane {lane.name!r}: the shared prefix alone is over the {cap}-token prompt cap "
+                             f"(--max-prompt-tokens, or the context less max_tokens); lower --scale")
         return min(fits, key=lambda pn: abs(pn[1] - target))
 
     # -- open loop ---------------------------------------------------------------------------------

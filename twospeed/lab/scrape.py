@@ -5,47 +5,91 @@ of any server that exposes one, vLLM's or twospeed's) and sampled during it for 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from twospeed.lab.server_kind import HistogramStat
+
 STEP_TOKENS = "twospeed_step_tokens"
 CACHED_BLOCKS = "twospeed_kv_cache_cached_blocks"
 
 
-def parse(text: str) -> dict[str, float]:
+def parse(text: str, buckets: tuple[str, ...] = ()) -> dict[str, float]:
     """Samples summed over labels, except `kind` for twospeed's step_tokens (prefill/decode kept apart).
     Counters keep their `_total`, histograms their `_sum`/`_count`; buckets are dropped, before the parser sees
     them: a twospeed exposition is ~85% bucket lines, and parsing them all took the lab's process ~0.15-0.27 s of a
-    core every scrape, a co-tenant that slowed the very steps it measured (11x less CPU without them)."""
-    text = "\n".join(line for line in text.split("\n") if "_bucket{" not in line)
+    core every scrape, a co-tenant that slowed the very steps it measured (11x less CPU without them). The
+    histogram families named in `buckets` keep theirs, as `<family>_bucket{le=<bound>}` (a peer's clock is read
+    from their percentiles)."""
+    keep = tuple(f"{b}_bucket{{" for b in buckets)
+    text = "\n".join(line for line in text.split("\n") if "_bucket{" not in line or line.startswith(keep))
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.endswith("_bucket") or s.name.endswith("_created"):
+            if s.name.endswith("_created"):
                 continue
             name = s.name
-            if s.name.startswith(STEP_TOKENS) and "kind" in s.labels:
+            if s.name.endswith("_bucket"):
+                name = f"{s.name}{{le={s.labels.get('le')}}}"
+            elif s.name.startswith(STEP_TOKENS) and "kind" in s.labels:
                 name = f"{s.name}{{kind={s.labels['kind']}}}"
             out[name] = out.get(name, 0.0) + s.value
     return out
 
 
-async def scrape(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+async def scrape(client: httpx.AsyncClient, base: str, buckets: tuple[str, ...] = ()) -> dict[str, float] | None:
     """/metrics next to the API root (URL without /v1); None when the server has none."""
     try:
         r = await client.get(base.removesuffix("/v1") + "/metrics", timeout=10)
-        return parse(r.text) if r.status_code == 200 else None
+        return parse(r.text, buckets) if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
 
 
+def _monotone(key: str) -> bool:
+    return key.endswith(("_total", "_sum", "_count")) or "_bucket{le=" in key
+
+
 def delta(before: dict | None, after: dict | None) -> dict | None:
-    """after - before for monotone series (counters and histogram sums); gauges as they are after."""
+    """after - before for monotone series (counters, histogram sums, counts and buckets); gauges as they are
+    after."""
     if before is None or after is None:
         return None
-    return {k: (v - before.get(k, 0.0) if k.endswith(("_total", "_sum", "_count")) else v) for k, v in after.items()}
+    return {k: (v - before.get(k, 0.0) if _monotone(k) else v) for k, v in after.items()}
+
+
+def histogram(d: dict | None, family: str) -> HistogramStat | None:
+    """A histogram family over the run from a delta: count, sum, and p50/p90/p99 from its buckets when kept
+    (None when the family is not there)."""
+    if not d or f"{family}_count" not in d:
+        return None
+    count, total = d[f"{family}_count"], d.get(f"{family}_sum", 0.0)
+    prefix = f"{family}_bucket{{le="
+    cumulative = sorted((float(k[len(prefix):-1]), v) for k, v in d.items() if k.startswith(prefix))
+    q = {p: quantile(cumulative, p / 100) for p in (50, 90, 99)} if cumulative and count > 0 else {}
+    return HistogramStat(count, total, q.get(50), q.get(90), q.get(99))
+
+
+def quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile from cumulative (upper bound, count) buckets: linear inside the bucket the rank falls in;
+    in the +Inf bucket, the largest finite bound (Prometheus's histogram_quantile)."""
+    total = cumulative[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, cum in cumulative:
+        if cum >= rank:
+            if math.isinf(bound):
+                return lower
+            if cum == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (cum - below)
+        lower, below = bound, cum
+    return lower
 
 
 def is_twospeed(sample: dict | None) -> bool:
