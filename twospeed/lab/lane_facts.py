@@ -72,7 +72,7 @@ class Facts:
     itl_missed_max: float | None = None
     interfered_share: float | None = None  # interfered / decode steps over the lane
     repeat_share: float | None = None
-    queue_p90: float | None = None
+    queue_p90: float | None = None  # per request; from a /metrics histogram, the bound of its p90 bucket
     gate_rate: float | None = None
 
     def share(self, part: str, of: str = "time") -> float:

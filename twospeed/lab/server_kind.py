@@ -38,8 +38,8 @@ class RequestClock:
 
 @dataclass(slots=True)
 class HistogramStat:
-    """One Prometheus histogram over a run: the differenced count and sum, and percentiles estimated from the
-    differenced buckets (linear inside a bucket, as Prometheus's histogram_quantile does)."""
+    """One Prometheus histogram over a run: the differenced count and sum, and for p50/p90/p99 the upper bound of
+    the differenced bucket each falls in (an upper bound, not an estimate: None past the largest bound)."""
 
     count: float
     sum_s: float
