@@ -8,6 +8,13 @@ Weight formats (`quantization`):
   None     the checkpoint's dtype (or `dtype`): 2 bytes a weight in bf16, 4 in fp32
   int8     1 byte a weight + a float32 scale per output row (per-output-channel symmetric)
   fp8      1 byte a weight (e4m3) + a float32 scale per output row
+  q8_0     GGUF's Q8_0: blocks of 32 weights along the input, 32 int8 + an fp16 scale: 34 / 32 bytes a weight
+  q4_0     GGUF's Q4_0: 32 nibbles + an fp16 scale per 32: 18 / 32 bytes a weight
+  q4_1     GGUF's Q4_1: 32 nibbles + fp16 scale and min per 32: 20 / 32
+  q4_k     GGUF's Q4_K: super-blocks of 256, nibbles + 6-bit scale and min per 32 + fp16 d, dmin: 144 / 256
+           (a linear whose input is not a multiple of 256 falls back to q4_0: the same bytes)
+  gguf     a GGUF file's own block formats (Q8_0, Q4_0, Q4_1, Q4_K), anything else in q8_0: priced at q8_0's
+           bytes, the most any linear holds under it (the model counts what it holds: weight_bytes())
 KV cache dtypes (`kv_cache_dtype`):
   auto     the model's dtype
   int8     1 byte an element + a bf16 scale per token and KV head, for K and for V
@@ -34,10 +41,22 @@ class WeightBytes:
         return int(out_features * in_features * per) + out_features * self.per_row
 
 
+# GGUF's block layouts (model/block_kinds.py): type name -> (weights per block, bytes per block)
+BLOCK_LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+
+
+def _block(kind: str) -> WeightBytes:
+    weights, nbytes = BLOCK_LAYOUTS[kind]
+    return WeightBytes(nbytes / weights)  # exact in binary: a whole number of bytes for every whole block
+
+
 WEIGHT_BYTES = {None: WeightBytes(None), "int8": WeightBytes(1, 4), "fp8": WeightBytes(1, 4),
+                "q8_0": _block("Q8_0"), "q4_0": _block("Q4_0"), "q4_1": _block("Q4_1"), "q4_k": _block("Q4_K"),
+                "gguf": _block("Q8_0"),
                 # test-only formats (model/quant.py): deliberately destructive, for the gate's own tests
                 "test-int4-per-tensor": WeightBytes(1, 0), "test-random-scale": WeightBytes(1, 4)}
-QUANTIZATIONS = ("int8", "fp8")  # what users choose from; the test-only names are accepted but not listed
+# what users choose from; the test-only names are accepted but not listed
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "q4_k", "gguf")
 
 
 @dataclass(frozen=True, slots=True)

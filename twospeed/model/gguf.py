@@ -10,8 +10,10 @@ Two things differ from a safetensors checkpoint:
 
 - Weights are stored in llama.cpp's block formats (Q4_0 ... Q6_K) or as floats; each is dequantized at load,
   with the package's own `gguf.quants.dequantize`, to float32 (exact), then stored by its parameter in the
-  dtype the model computes in (or quantized to int8 / fp8 from those exact values). The file's format per
-  kind of tensor is kept (`formats`), for /v1/models to report.
+  dtype the model computes in (or quantized to int8 / fp8 from those exact values). A linear of a block format
+  (quantization q8_0, q4_0, q4_1, q4_k or gguf: model/block_quant.py) instead takes a tensor stored in Q8_0,
+  Q4_0, Q4_1 or Q4_K as its packed bytes (`read_blocks`), never dequantized. The file's format per kind of
+  tensor is kept (`formats`), for /v1/models to report.
 - llama.cpp's converter reorders the rows of Q and K in llama-architecture files so that its rotary embedding
   (which rotates adjacent pairs) computes what HF's (which rotates the two halves of a head) does; the reorder
   is undone here exactly (`unpermute_rotary`), so the weights are HF's. Qwen files are stored unpermuted.
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from twospeed.config import ModelConfig
+from twospeed.model.block_kinds import KINDS, BlockTensor
 from twospeed.model.checkpoint_files import CheckpointError, gguf_reader, release_gguf_reader
 from twospeed.model.loader import Checkpoint, summarize_formats, tensor_kind
 
@@ -223,7 +226,22 @@ class GGUFCheckpoint(Checkpoint):
 
     def read(self, name: str) -> torch.Tensor:
         gguf_name = self._by_hf[name]
-        tensor = torch.from_numpy(dequantize(self.tensors[gguf_name]))
+        return self._hf_rows(gguf_name, torch.from_numpy(dequantize(self.tensors[gguf_name])))
+
+    def read_blocks(self, name: str) -> BlockTensor | None:
+        """A matrix stored in Q8_0, Q4_0, Q4_1 or Q4_K as its bytes [rows, row_bytes], rows in HF's order."""
+        gguf_name = self._by_hf[name]
+        t = self.tensors[gguf_name]
+        kind = KINDS.get(t.tensor_type.name)
+        if kind is None or len(t.shape) != 2:
+            return None
+        rows, cols = reversed(t.shape.tolist())
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(rows, kind.row_bytes(cols))  # a copy
+        return BlockTensor(kind, self._hf_rows(gguf_name, data), (rows, cols))
+
+    def _hf_rows(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows of a tensor (floats or packed blocks, one row per output) in HF's order: llama.cpp's Q/K reorder
+        undone."""
         if self.arch in ROTARY_PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight",
                                                                 "attn_k.bias")):
             cfg = self.model_config()

@@ -5,7 +5,7 @@ model.safetensors.index.json, memory-mapped: `SafetensorsCheckpoint`) or a GGUF 
 `GGUFCheckpoint`); `open_checkpoint` picks the class from what the path holds. Either gives the same
 ModelConfig and hands out tensors under HF names, so the rest of the engine never asks which it was.
 The loader only maps names: each parameter loads its own tensor (`weight_loader`), so a weight format
-(int8, fp8) quantizes on arrival. Every failure names the file and the tensor: an unsupported
+(int8, fp8) quantizes on arrival, and a block-quantized one takes a GGUF file's packed bytes as they are. Every failure names the file and the tensor: an unsupported
 architecture, a missing file, a missing, unexpected or misshapen tensor.
 """
 
@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from twospeed.config import DTYPES, ModelConfig
+from twospeed.model.block_kinds import BlockTensor
 from twospeed.model.checkpoint_files import CheckpointError, find_gguf
 from twospeed.model.kv_format import make_kv_format
 from twospeed.model.llama import LlamaForCausalLM
@@ -51,6 +52,11 @@ class Checkpoint(ABC):
         """Tensor `name` (an HF name from tensor_names) in HF's layout: in its stored dtype, or in float32 where the
         file's format is decoded (exactly); its parameter's weight_loader casts it to the compute dtype, or
         quantizes it from these exact values."""
+
+    def read_blocks(self, name: str) -> BlockTensor | None:
+        """Tensor `name` as the packed bytes of a GGUF block layout where the file stores it so (model/gguf.py), for
+        parameters that take blocks (model/block_quant.py); None where it holds floats."""
+        return None
 
     def file_name(self, hf_name: str) -> str:
         """What the file calls tensor `hf_name` (for messages)."""
@@ -219,12 +225,13 @@ def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint | str | Path) -
         if name.endswith(IGNORED_SUFFIXES):
             continue
         targets = model.checkpoint_targets(name)
-        tensor = ckpt.read(name) if targets else None
+        forms: dict[str, torch.Tensor | BlockTensor | None] = {}
         for target, shard in targets:
             if target not in params:
                 raise CheckpointError(f"{fname}: unexpected tensor {ckpt.file_name(name)!r} for "
                                       f"{model.cfg.architecture}")
             param = params[target]
+            tensor = _read_for(ckpt, name, param, forms)
             try:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard)
             except ShapeMismatch as e:
@@ -237,6 +244,19 @@ def load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint | str | Path) -
         for shard in sorted(want - loaded.get(target, set()), key=lambda x: -1 if x is None else x):
             raise CheckpointError(f"{ckpt.path}: tensor {ckpt.file_name(_hf_name(target, shard, model))!r} is "
                                   "missing from the checkpoint")
+
+
+def _read_for(ckpt: Checkpoint, name: str, param: torch.nn.Parameter, forms: dict) -> torch.Tensor | BlockTensor:
+    """Tensor `name` as `param` takes it, each form read once: the file's packed blocks where the parameter takes
+    blocks and the file has them, else floats (a tied embedding and its output head may take one each)."""
+    if getattr(param, "takes_blocks", False):
+        if "blocks" not in forms:
+            forms["blocks"] = ckpt.read_blocks(name)
+        if forms["blocks"] is not None:
+            return forms["blocks"]
+    if "floats" not in forms:
+        forms["floats"] = ckpt.read(name)
+    return forms["floats"]
 
 
 def _hf_name(target: str, shard: int | None, model: LlamaForCausalLM) -> str:
@@ -256,7 +276,9 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     """Build the model for the checkpoint at `path` on `device` in `dtype` (default: the checkpoint's) and load
     its weights; `model.checkpoint_formats` keeps how the file stored each kind of tensor (Checkpoint.formats).
 
-    quantization: None (the checkpoint's weights in `dtype`), "int8" or "fp8" (quantized at load, model/quant.py).
+    quantization: None (the checkpoint's weights in `dtype`), "int8" or "fp8" (quantized at load, model/quant.py),
+    "q8_0", "q4_0", "q4_1", "q4_k" or "gguf" (GGUF block layouts kept packed: a GGUF file's tensors in them taken
+    as stored, others quantized at load; model/block_quant.py).
     linear_backend: "auto" (on CPU in bf16 the C kernels: weights packed once; else oneDNN or the portable path;
     model/packed_linear.py), "cpu", "onednn" (unquantized only) or "torch" (portable).
     attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu".

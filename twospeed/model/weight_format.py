@@ -9,7 +9,8 @@ fused), an int8 linear quantizes it on arrival and keeps the bytes and the scale
 step reads for it (counted by the torch-free rules in model/formats.py).
 
 Formats: the checkpoint's dtype (model/packed_linear.py: `DenseFormat`), `int8` and `fp8`
-(model/quant.py), and two deliberately destructive test-only formats the gate's tests use.
+(model/quant.py), GGUF's block layouts kept packed, `q8_0`, `q4_0`, `q4_1`, `q4_k` and a GGUF file's own
+(`gguf`) (model/block_quant.py), and two deliberately destructive test-only formats the gate's tests use.
 """
 
 from __future__ import annotations
@@ -118,10 +119,11 @@ class WeightFormat(ABC):
 
 
 def _formats() -> dict[str | None, type[WeightFormat]]:
+    from twospeed.model.block_quant import FORMATS as BLOCK_FORMATS
     from twospeed.model.packed_linear import DenseFormat
     from twospeed.model.quant import FORMATS
 
-    return {None: DenseFormat, **FORMATS}
+    return {None: DenseFormat, **FORMATS, **BLOCK_FORMATS}
 
 
 def make_weight_format(quantization: str | None, linear_backend: str, device: torch.device | str,

@@ -1,0 +1,337 @@
+/* Linear layers over GGUF block-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q4_K), for AVX2 + FMA + F16C.
+ *
+ * A decode step streams every weight once, so the bytes a weight costs set the step's floor: 1.06 bytes in Q8_0,
+ * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1 (bf16: 2, float32: 4). The weights stay in GGUF's own layout
+ * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values.
+ *
+ * Decode-sized steps (linear_qblock, up to QB_MAX_ROWS rows) run as llama.cpp's CPU path does: each activation
+ * row is quantized to int8 per block of 32 (a float32 scale dx = max|x| / 127 per block, q = nearest(x / dx)),
+ * and every weight block, read once, is multiplied by the activation blocks of all rows in integers
+ * (vpmaddubsw + vpmaddwd: exact int32 sums of 32 products), scaled in float32:
+ *
+ *   y[m][n] = sum_b dw[b] dx[m][b] sum_i q_w[i] q_x[m][i]  -  sum_b mw[b] sx[m][b]  +  bias[n]
+ *
+ * where the min term (Q4_1: -m, Q4_K: dmin m_j) multiplies sx = dx sum_i q_x[i], the sum of the quantized
+ * activations. So the kernel computes exactly the product of the dequantized weights with the quantized
+ * activations x~ (float32 summation aside); |x - x~| <= dx / 2 per element, hence
+ *
+ *   |y - x.w| <= sum_b dx[b] / 2 * sum_{i in b} |w_i|  (+ float32 summation error)
+ *
+ * the bound tests/test_block_quant.py holds the kernel to against a float64 reference. Each output row's sums
+ * run in the same order whatever the other rows of the step, so a row's result does not depend on its batch.
+ *
+ * Prefill-sized steps are a GEMM's job: qblock_dequantize widens a panel of rows to float32 (the same values as
+ * gguf's dequantizer, bit for bit: separate multiplies and adds, no FMA contraction) for torch's BLAS.
+ *
+ * w [N][row_bytes] (row_bytes = K / block * block_bytes), x [M, K] float32 or bf16 (row stride ldx), bias [N]
+ * float32 or NULL, y [M, N] float32 or bf16 (row stride ldy; bf16 rounded to nearest even once, after the bias).
+ * K is a multiple of 32 (256 for Q4_K); the caller checks.
+ */
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "twospeed-unsupported: needs AVX2, FMA and F16C (avx2, fma, f16c)"
+#endif
+/* Sums in the order written, products rounded where written (FMA only where an intrinsic says so): so a row's
+ * result is the same whichever (rows x columns) instantiation computes it, and the dequantizer matches gguf's. */
+#pragma GCC optimize("fp-contract=off", "no-associative-math")
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define KIND_Q8_0 0
+#define KIND_Q4_0 1
+#define KIND_Q4_1 2
+#define KIND_Q4_K 3
+#define QB_MAX_ROWS 8
+
+static const int BLOCK[4] = {32, 32, 32, 256}, BLOCK_BYTES[4] = {34, 18, 20, 144};
+
+int qblock_max_rows(void) { return QB_MAX_ROWS; }
+
+int64_t qblock_row_bytes(int kind, int K) { return (int64_t)(K / BLOCK[kind]) * BLOCK_BYTES[kind]; }
+
+static inline float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- activations: int8 per block of 32, a float32 scale and the block's sum (dx * sum q) ---------------------- */
+
+typedef struct {
+    int8_t *q;   /* [M][K] */
+    float *d;    /* [M][K / 32] */
+    float *s;    /* [M][K / 32] */
+    int64_t nb;  /* blocks of 32 per row */
+} Acts;
+
+static inline __m256 load8(const void *x, int64_t at, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)x + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static void quantize_row(const void *x, int bf16, int K, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < K / 32; b++) {
+        __m256 v[4];
+        for (int j = 0; j < 4; j++) v[j] = load8(x, (int64_t)32 * b + 8 * j, bf16);
+        __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float top = _mm_cvtss_f32(m);
+        const float dx = top / 127.f, id = top > 0 ? 127.f / top : 0.f;
+        __m256i i[4];
+        for (int j = 0; j < 4; j++)
+            i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        d[b] = dx;
+        s[b] = dx * (float)_mm_cvtsi128_si32(t);
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+    }
+}
+
+static int quantize_acts(const void *x, int64_t ldx, int bf16, int M, int K, Acts *a) {
+    a->nb = K / 32;
+    a->q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
+    a->d = malloc(sizeof(float) * (size_t)M * a->nb);
+    a->s = malloc(sizeof(float) * (size_t)M * a->nb);
+    if (!a->q || !a->d || !a->s) return -1;
+    for (int m = 0; m < M; m++)
+        quantize_row((const char *)x + (bf16 ? 2 : 4) * (int64_t)m * ldx, bf16, K, a->q + (int64_t)m * K,
+                     a->d + m * a->nb, a->s + m * a->nb);
+    return 0;
+}
+
+static void free_acts(Acts *a) { free(a->q); free(a->d); free(a->s); }
+
+/* ---- weight rows x activation rows ----------------------------------------------------------------------------- */
+
+/* One 32-block of weights as 32 int8 in element order (Q8_0, and Q4_0 less its offset 8: signed; Q4_1: unsigned
+ * 0..15), with its scale and min. */
+static inline __m256i nibbles32(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+static inline __m256i block32(const int kind, const uint8_t *p, float *d, float *mn) {
+    *d = f16(p);
+    if (kind == KIND_Q8_0) return _mm256_loadu_si256((const __m256i *)(p + 2));
+    if (kind == KIND_Q4_0) return _mm256_sub_epi8(nibbles32(p + 2), _mm256_set1_epi8(8));
+    *mn = f16(p + 2);
+    return nibbles32(p + 4);
+}
+
+/* sum of 32 products of int8 weights (signed or, Q4_1/Q4_K, unsigned 4-bit) and int8 activations, as 8 int32 */
+static inline __m256i dot32(const int is_signed, const __m256i w, const __m256i w_abs, const __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i p16 = is_signed ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+    return _mm256_madd_epi16(p16, ones);
+}
+
+/* R activation rows x C consecutive weight rows (compile-time constants where inlined), 32-blocks */
+static inline __attribute__((always_inline)) void rows32(const int kind, const int R, const int C, const uint8_t *w,
+                                                         int64_t wstride, const Acts *a, float out[QB_MAX_ROWS][2]) {
+    const int is_signed = kind != KIND_Q4_1, bb = BLOCK_BYTES[kind];
+    __m256 acc[QB_MAX_ROWS][2];
+    float macc[QB_MAX_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) { acc[r][c] = _mm256_setzero_ps(); macc[r][c] = 0.f; }
+    for (int64_t b = 0; b < a->nb; b++) {
+        __m256i wq[2], wabs[2];
+        float dw[2], mw[2] = {0.f, 0.f};
+        for (int c = 0; c < C; c++) {
+            wq[c] = block32(kind, w + c * wstride + b * bb, &dw[c], &mw[c]);
+            wabs[c] = is_signed ? _mm256_sign_epi8(wq[c], wq[c]) : wq[c];
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + (r * a->nb + b) * 32));
+            const float dx = a->d[r * a->nb + b];
+            for (int c = 0; c < C; c++) {
+                const __m256 p = _mm256_cvtepi32_ps(dot32(is_signed, wq[c], wabs[c], xq));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dw[c] * dx), p, acc[r][c]);
+                if (kind == KIND_Q4_1) macc[r][c] += mw[c] * a->s[r * a->nb + b];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = hsum(acc[r][c]) + macc[r][c];
+}
+
+/* Q4_K's 12 bytes -> 8 six-bit scales (bytes 0-7 of the result) and 8 mins (bytes 8-15), llama.cpp's unpacking */
+static inline void scales_k(const uint8_t *s, uint8_t out[16]) {
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+    const uint32_t mins_lo = u[1] & k1;
+    u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+    u[2] = mins_lo;
+    u[0] &= k1;
+    memcpy(out, u, 16);
+}
+
+static inline __m256 u8x8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* R activation rows x C weight rows, Q4_K super-blocks: 8 sub-blocks of 32, each w = (d sc_j) q - (dmin m_j) */
+static inline __attribute__((always_inline)) void rows_k(const int R, const int C, const uint8_t *w, int64_t wstride,
+                                                         const Acts *a, float out[QB_MAX_ROWS][2]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[QB_MAX_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t nsb = a->nb / 8;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        float coef[QB_MAX_ROWS][2][8] __attribute__((aligned(32)));  /* d sc_j dx_j per row and weight row */
+        const uint8_t *qs[2];
+        for (int c = 0; c < C; c++) {
+            const uint8_t *p = w + c * wstride + sb * 144;
+            uint8_t sm[16];
+            scales_k(p + 4, sm);
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(f16(p)), u8x8_ps(sm));
+            const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), u8x8_ps(sm + 8));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = r * a->nb + sb * 8;
+                _mm256_store_ps(coef[r][c], _mm256_mul_ps(dsc, _mm256_loadu_ps(a->d + at)));
+                /* the min term: any lanes of acc may carry it, they are all summed at the end */
+                acc[r][c] = _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(a->s + at), acc[r][c]);
+            }
+            qs[c] = p + 16;
+        }
+        for (int j = 0; j < 4; j++) {  /* 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high */
+            __m256i lo[2], hi[2];
+            for (int c = 0; c < C; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs[c] + 32 * j));
+                lo[c] = _mm256_and_si256(v, m4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = a->q + (r * a->nb + sb * 8 + 2 * j) * 32;
+                const __m256i xlo = _mm256_loadu_si256((const __m256i *)xr);
+                const __m256i xhi = _mm256_loadu_si256((const __m256i *)(xr + 32));
+                for (int c = 0; c < C; c++) {
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&coef[r][c][2 * j]),
+                                                _mm256_cvtepi32_ps(dot32(0, lo[c], lo[c], xlo)), acc[r][c]);
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&coef[r][c][2 * j + 1]),
+                                                _mm256_cvtepi32_ps(dot32(0, hi[c], hi[c], xhi)), acc[r][c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = hsum(acc[r][c]);
+}
+
+static inline void store(void *y, int64_t at, int bf16, float v) {
+    if (bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
+    else ((float *)y)[at] = v;
+}
+
+/* One instantiation per (kind, R, C): every loop above unrolls over registers. Two weight rows at a time for up to
+ * 4 activation rows (more independent FMA chains for a lone decode row), one beyond. */
+#define DEFINE_GROUP(NAME, KIND, R, C)                                                                           \
+    static void NAME(const uint8_t *w, int64_t wstride, const Acts *a, float out[QB_MAX_ROWS][2]) {          \
+        if (KIND == KIND_Q4_K) rows_k(R, C, w, wstride, a, out);                                              \
+        else rows32(KIND, R, C, w, wstride, a, out);                                                          \
+    }
+#define DEFINE_KIND(K, KIND)                                                                                     \
+    DEFINE_GROUP(g_##K##_1_2, KIND, 1, 2) DEFINE_GROUP(g_##K##_2_2, KIND, 2, 2) DEFINE_GROUP(g_##K##_3_2, KIND, 3, 2) \
+    DEFINE_GROUP(g_##K##_4_2, KIND, 4, 2) DEFINE_GROUP(g_##K##_1_1, KIND, 1, 1) DEFINE_GROUP(g_##K##_2_1, KIND, 2, 1) \
+    DEFINE_GROUP(g_##K##_3_1, KIND, 3, 1) DEFINE_GROUP(g_##K##_4_1, KIND, 4, 1) DEFINE_GROUP(g_##K##_5_1, KIND, 5, 1) \
+    DEFINE_GROUP(g_##K##_6_1, KIND, 6, 1) DEFINE_GROUP(g_##K##_7_1, KIND, 7, 1) DEFINE_GROUP(g_##K##_8_1, KIND, 8, 1)
+DEFINE_KIND(q8_0, KIND_Q8_0)
+DEFINE_KIND(q4_0, KIND_Q4_0)
+DEFINE_KIND(q4_1, KIND_Q4_1)
+DEFINE_KIND(q4_k, KIND_Q4_K)
+
+typedef void (*Group)(const uint8_t *, int64_t, const Acts *, float[QB_MAX_ROWS][2]);
+#define KIND_TABLE(K)                                                                                            \
+    {{NULL, NULL}, {g_##K##_1_1, g_##K##_1_2}, {g_##K##_2_1, g_##K##_2_2}, {g_##K##_3_1, g_##K##_3_2},            \
+     {g_##K##_4_1, g_##K##_4_2}, {g_##K##_5_1, NULL}, {g_##K##_6_1, NULL}, {g_##K##_7_1, NULL}, {g_##K##_8_1, NULL}}
+static const Group GROUPS[4][QB_MAX_ROWS + 1][2] = {KIND_TABLE(q8_0), KIND_TABLE(q4_0), KIND_TABLE(q4_1),
+                                                    KIND_TABLE(q4_k)};
+
+/* y = x W^T + bias for M <= QB_MAX_ROWS rows. Returns 0, or -1 if M is out of range or memory ran out. */
+int linear_qblock(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int kind, const float *bias, void *y,
+                  int64_t ldy, int M, int N, int K, int threads) {
+    if (M < 1 || M > QB_MAX_ROWS) return -1;
+    Acts a;
+    if (quantize_acts(x, ldx, x_bf16, M, K, &a) != 0) { free_acts(&a); return -1; }
+    const int64_t wstride = qblock_row_bytes(kind, K);
+    const int C = M <= 4 ? 2 : 1, groups = (N + C - 1) / C;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int g = 0; g < groups; g++) {
+        const int n0 = g * C, cols = N - n0 < C ? N - n0 : C;
+        float out[QB_MAX_ROWS][2];
+        GROUPS[kind][M][cols - 1](w + n0 * wstride, wstride, &a, out);
+        for (int r = 0; r < M; r++)
+            for (int c = 0; c < cols; c++)
+                store(y, r * ldy + n0 + c, x_bf16, out[r][c] + (bias ? bias[n0 + c] : 0.f));
+    }
+    free_acts(&a);
+    return 0;
+}
+
+/* ---- dequantize rows to float32 for the BLAS: gguf's arithmetic, each product and sum rounded on its own ---- */
+
+static void dequantize_row(const uint8_t *w, int kind, int K, float *out) {
+    const int bb = BLOCK_BYTES[kind];
+    if (kind == KIND_Q4_K) {
+        for (int sb = 0; sb < K / 256; sb++) {
+            const uint8_t *p = w + sb * 144;
+            uint8_t sm[16];
+            scales_k(p + 4, sm);
+            const float d = f16(p), dmin = f16(p + 2);
+            for (int j = 0; j < 8; j++) {
+                const float dj = d * (float)sm[j], mj = dmin * (float)sm[8 + j];
+                const uint8_t *q = p + 16 + 32 * (j / 2);
+                const int shift = 4 * (j % 2);
+                float *o = out + 256 * sb + 32 * j;
+                for (int i = 0; i < 32; i++) o[i] = dj * (float)((q[i] >> shift) & 15) - mj;
+            }
+        }
+        return;
+    }
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *p = w + b * bb;
+        const float d = f16(p);
+        float *o = out + 32 * b;
+        if (kind == KIND_Q8_0) {
+            for (int i = 0; i < 32; i++) o[i] = (float)(int8_t)p[2 + i] * d;
+        } else if (kind == KIND_Q4_0) {
+            for (int i = 0; i < 16; i++) {
+                o[i] = d * (float)((p[2 + i] & 15) - 8);
+                o[i + 16] = d * (float)((p[2 + i] >> 4) - 8);
+            }
+        } else {
+            const float m = f16(p + 2);
+            for (int i = 0; i < 16; i++) {
+                o[i] = d * (float)(p[4 + i] & 15) + m;
+                o[i + 16] = d * (float)(p[4 + i] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* rows [N][row_bytes] -> out [N, K] float32 (row stride ldo) */
+void qblock_dequantize(const uint8_t *w, int kind, int N, int K, float *out, int64_t ldo, int threads) {
+    const int64_t wstride = qblock_row_bytes(kind, K);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) dequantize_row(w + n * wstride, kind, K, out + n * ldo);
+}
