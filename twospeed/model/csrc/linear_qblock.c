@@ -7,7 +7,8 @@
  * Decode-sized steps (linear_qblock, up to QB_MAX_ROWS rows) run as llama.cpp's CPU path does: each activation
  * row is quantized to int8 per block of 32 (a float32 scale dx = max|x| / 127 per block, q = nearest(x / dx)),
  * and every weight block, read once, is multiplied by the activation blocks of all rows in integers
- * (vpmaddubsw + vpmaddwd: exact int32 sums of 32 products), scaled in float32:
+ * (vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has VNNI: exact int32 sums of 32 products), scaled in
+ * float32:
  *
  *   y[m][n] = sum_b dw[b] dx[m][b] sum_i q_w[i] q_x[m][i]  -  sum_b mw[b] sx[m][b]  +  bias[n]
  *
@@ -136,11 +137,19 @@ static inline __m256i block32(const int kind, const uint8_t *p, float *d, float 
     return nibbles32(p + 4);
 }
 
-/* sum of 32 products of int8 weights (signed or, Q4_1/Q4_K, unsigned 4-bit) and int8 activations, as 8 int32 */
+/* sum of 32 products of int8 weights (signed or, Q4_1/Q4_K, unsigned 4-bit) and int8 activations, as 8 int32.
+ * Unsigned times signed bytes: |w| times x with w's sign. With VNNI (AVX-512 VNNI + VL, or AVX-VNNI) one vpdpbusd
+ * sums each 4 products straight into int32; without it vpmaddubsw + vpmaddwd do, through int16 pairs that cannot
+ * saturate here (|w| <= 127, |x| <= 127: a pair <= 32258). The sums are exact either way: the same results. */
 static inline __m256i dot32(const int is_signed, const __m256i w, const __m256i w_abs, const __m256i x) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i p16 = is_signed ? _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
-    return _mm256_madd_epi16(p16, ones);
+    const __m256i a = is_signed ? w_abs : w, b = is_signed ? _mm256_sign_epi8(x, w) : x;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
 }
 
 /* R activation rows x C consecutive weight rows (compile-time constants where inlined), 32-blocks */
