@@ -25,7 +25,7 @@ from twospeed.lab.job_results import call_split
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.report import source_lines
 from twospeed.lab.schedule import Planned
-from twospeed.lab.server_kind import GENERIC, probe
+from twospeed.lab.server_kind import ANY, GENERIC, probe
 from twospeed.lab.server_llamacpp import LLAMA_CPP
 from twospeed.lab.server_vllm import VLLM
 from twospeed.lab.workload import Lane, load_workload
@@ -159,6 +159,14 @@ def test_llama_timings_become_the_split_clock_and_bill():
     assert call_split(late) == pytest.approx({"queue": 3.0 - 2.537441, "prefill": 2.537441, "decode": 28.5})
 
 
+def test_a_usage_sent_only_at_the_end_is_the_total_not_the_last_chunks():
+    """completion_stream.sse: 12 chunks with text, then one with "" and usage.completion_tokens 12."""
+    resp = replay("llama", "completion_stream.sse", ANY)  # a client that does not know the server
+    assert resp.timing.output_tokens == 12 and resp.usage["completion_tokens"] == 12
+    resp = replay("vllm", "completion_stream.sse", VLLM)  # usage on every chunk: counted chunk by chunk
+    assert resp.timing.output_tokens == 12 and resp.timing.source == "usage"
+
+
 def test_llama_server_is_recognised_with_its_slot_context():
     """props.json: default_generation_settings.n_ctx 4096; models.json: owned_by llamacpp, meta.n_ctx 4096."""
     with FakePeer("llama", TokenCounter()) as peer, httpx.Client() as client:
@@ -182,6 +190,8 @@ def test_bench_against_llama_reads_its_clock_per_request(counter, tmp_path):
     for r in doc["requests"]:
         assert r["clock_source"] == "llama.cpp timings" and r["server_prefill_s"] == pytest.approx(2.477768)
         assert (r["prompt_tokens"], r["cached_tokens"], r["output_tokens"]) == (17, 16, 12)
+        # one token a chunk, as llama.cpp streams (12 chunks with text): no 0 ms gap from re-tokenizing a piece
+        assert r["token_source"] == "chunks" and len(r["itl_s"]) == 11 and min(r["itl_s"]) > 0
     sources = doc["run"]["clock_sources"]
     assert sources["prefill"] == "server: llama.cpp timings, per request"
     assert sources["decode"] == "server: llama.cpp timings, per request"
@@ -263,7 +273,7 @@ def test_bench_reads_vllms_clock_from_metrics(counter, tmp_path):
     (d,) = doc["diagnosis"]
     assert any(n.startswith("queue and prefill from vLLM's /metrics histograms") for n in d["notes"])
     line = next(x for x in source_lines(doc) if x.startswith("server clock"))
-    assert line.startswith("server clock (vLLM /metrics, this run's only lane, 8 requests): queue mean 0.0 ms "
+    assert line.startswith("server clock (vLLM /metrics, this run's only lane, 8 requests): queue mean 0.034 ms "
                            "(p50 ≤ 300.0, p99 ≤ 300.0), prefill mean 4,372.0 ms (p50 ≤ 2,500.0, p99 ≤ 10,000.0)")
     assert "; client TTFT mean" in line and "prefix cache served 0% of 605 prompt tokens looked up" in line
     results.validate(doc)

@@ -2,10 +2,11 @@
 
 TTFT is send -> the first chunk that carries content. Each chunk's token count comes from the best source
 the server gives: twospeed's per-chunk `twospeed.num_tokens` and `emit_times` (the server's own emission
-time of every token), else `usage.completion_tokens` per chunk (vLLM's continuous_usage_stats), else the
-tokenizer on the text, else one token per chunk. Per-token ITL: gaps between consecutive token times, where
-tokens that arrived in one chunk share its time (gap 0) unless the server stamped each; per-chunk gaps are
-kept beside them. TPOT = (TTLT - TTFT) / (N - 1).
+time of every token), else `usage.completion_tokens` per chunk (vLLM's continuous_usage_stats; a usage only
+the last event carries is the answer's total, not that chunk's), else one token a chunk where the server's kind
+streams so (llama.cpp), else the tokenizer on the text, else one token per chunk. Per-token ITL: gaps between
+consecutive token times, where tokens that arrived in one chunk share its time (gap 0) unless the server stamped
+each; per-chunk gaps are kept beside them. TPOT = (TTLT - TTFT) / (N - 1).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
     chunks: list[Chunk] = []
     texts: list[str] = []
     source, last_usage_tokens = "chunks", 0
+    per_chunk_usage = True  # every text chunk so far carried usage (vLLM's continuous_usage_stats)
     send = time.perf_counter()
     resp = Response(planned, planned.offset, send - run_start)
     try:
@@ -153,11 +155,15 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, lane: Lane, p
                 for choice in event.get("choices") or []:
                     text = _content(choice)
                     resp.finish_reason = choice.get("finish_reason") or resp.finish_reason
+                    if text and not event.get("usage"):
+                        per_chunk_usage = False  # a text chunk without usage: the server sends usage last, whole
                     if "num_tokens" in ts:
                         k, emits, source = ts["num_tokens"], ts.get("emit_times") or [], "twospeed"
-                    elif event.get("usage") and "completion_tokens" in event["usage"]:
+                    elif per_chunk_usage and event.get("usage") and "completion_tokens" in event["usage"]:
                         total = event["usage"]["completion_tokens"]
                         k, emits, source, last_usage_tokens = total - last_usage_tokens, [], "usage", total
+                    elif kind.one_token_per_chunk:
+                        k, emits, source = (1 if text else 0), [], "chunks"
                     elif text and counter.exact:
                         before = counter.count("".join(texts))
                         k, emits, source = counter.count("".join(texts) + text) - before, [], "tokenizer"

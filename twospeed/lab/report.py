@@ -104,7 +104,8 @@ def server_clock_line(doc: dict) -> str | None:
         h = (clock.get("phases") or {}).get(name)
         if h and h.get("mean_s") is not None:
             tail = f" (p50 ≤ {_ms(h['p50_s'])}, p99 ≤ {_ms(h['p99_s'])})" if h.get("p99_s") is not None else ""
-            parts.append(f"{name} mean {_ms(h['mean_s'])} ms{tail}")
+            mean = h["mean_s"] * 1e3
+            parts.append(f"{name} mean {mean:,.3g} ms{tail}" if mean < 10 else f"{name} mean {mean:,.1f} ms{tail}")
     ttfts = [r["ttft_s"] for r in doc["requests"] if r["error"] is None and r["ttft_s"] is not None]
     client = f"; client TTFT mean {_ms(float(np.mean(ttfts)))} ms" if ttfts else ""
     hits = ""

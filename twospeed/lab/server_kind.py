@@ -105,6 +105,7 @@ class ServerKind:
     extra_paths: tuple[str, ...] = ()  # documents to fetch (from the server root) once recognised
     event_keys: tuple[str, ...] = ()  # per-response objects the stream's events carry (kept in Response.peer)
     metric_buckets: tuple[str, ...] = ()  # histogram families whose buckets /metrics parsing must keep
+    one_token_per_chunk = False  # each streamed chunk with text carries exactly one token (when usage says nothing)
 
     def matches(self, models: dict) -> bool:
         return True

@@ -2,7 +2,9 @@
 context (`default_generation_settings.n_ctx`), and every response's last event carries `timings`: prompt tokens
 reused from the slot's cache (cache_n), prompt tokens computed (prompt_n) in prompt_ms, tokens generated
 (predicted_n) in predicted_ms. That is a per-request prefill and decode clock and a cached/computed bill; the
-server states no queue time (a request waits for a free slot before prompt_ms starts)."""
+server states no queue time (a request waits for a free slot before prompt_ms starts). It streams one token a
+chunk and no usage before the last event (the recordings: 12 chunks with text, predicted_n 12): re-tokenizing a
+chunk's text counts some pieces as two tokens, and gives those a 0 ms gap that never happened."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ class LlamaCpp(ServerKind):
     label = "llama.cpp"
     extra_paths = ("/props",)
     event_keys = ("timings",)
+    one_token_per_chunk = True
 
     def matches(self, models: dict) -> bool:
         first = self.first_model(models)
