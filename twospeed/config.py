@@ -244,8 +244,9 @@ class EngineConfig:
     device: str = "cpu"  # torch device string: "cpu", "cuda", "cuda:1"
     seed: int = 0  # seeds unseeded sampling
     skip_tokenizer_init: bool = False  # token ids in and out only
-    # Weight-only quantization at load: None (the checkpoint's weights), "int8" or "fp8" (a float32 scale per output
-    # row; one byte a weight: half the bytes a bf16 decode step reads). model/quant.py
+    # Weight-only quantization at load: None (the checkpoint's weights); "int8" or "fp8" (a float32 scale per output
+    # row; model/quant.py); GGUF's block layouts "q8_0", "q4_0", "q4_1", "q4_k" (kept packed; model/block_quant.py);
+    # "gguf": a GGUF file's tensors as stored. model/formats.py counts each one's bytes.
     quantization: str | None = None
     linear_backend: str = "auto"  # "auto" (CPU bf16: C kernels, else oneDNN; AVX2: widening), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from twospeed.cli import add_engine_args, engine_kwargs
+from twospeed.model.formats import QUANTIZATIONS
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -30,7 +31,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--profile", help="a step profile from `twospeed plan calibrate` (this machine, measured)")
     src.add_argument("--hardware",
                      help="a hardware profile (`twospeed clock --list-hardware`) or 'local' (measured): the roofline")
-    p.add_argument("--quantization", choices=("none", "int8", "fp8"), help="weights' format (roofline)")
+    p.add_argument("--quantization", choices=("none", *QUANTIZATIONS), help="weights' format (roofline)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), help="KV cache format (roofline)")
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="roofline: share of peak FLOP/s (0.5)")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="roofline: share of peak bandwidth (0.8)")
