@@ -185,8 +185,9 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding: a proposer guesses the next tokens, the target checks them in one pass (engine/spec.py).
 
-    Greedy output is token-identical with and without it, sampled output keeps the target's distribution (and a
-    seeded request its tokens); what changes is how many tokens a decode step yields. With `auto_fallback` each
+    Greedy output is the target's: token-identical with and without it in float32, and in bf16 with `deterministic`
+    (by default a verify chunk sums in another order than a lone decode, and a bf16 near-tie can flip); sampled
+    output keeps the target's distribution. What changes is how many tokens a decode step yields. With `auto_fallback` each
     request (and each lane) stops proposing where its measured acceptance does not pay for the verify rows.
     """
 
