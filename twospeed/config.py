@@ -187,8 +187,9 @@ class SpecConfig:
 
     Greedy output is the target's: token-identical with and without it in float32, and in bf16 with `deterministic`
     (by default a verify chunk sums in another order than a lone decode, and a bf16 near-tie can flip); sampled
-    output keeps the target's distribution. What changes is how many tokens a decode step yields. With `auto_fallback` each
-    request (and each lane) stops proposing where its measured acceptance does not pay for the verify rows.
+    output keeps the target's distribution. What changes is how many tokens a decode step yields. With
+    `auto_fallback` each request (and each lane) stops proposing where its measured acceptance does not pay for the
+    verify rows.
     """
 
     # Flat names (LLM keyword arguments, CLI flags) of the fields whose own name would be ambiguous there.
