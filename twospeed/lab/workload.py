@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from twospeed.schema.price import Price
+
 if TYPE_CHECKING:
     from twospeed.lab.job_spec import JobSpec
 
@@ -149,27 +151,6 @@ class Lane:
     def gates(self) -> list[dict]:
         """Every gate config of the lane (a job's steps and job gate too)."""
         return [self.gate, *(self.job.gates() if self.job else [])]
-
-
-@dataclass(slots=True)
-class Price:
-    """Dollars per 1M tokens."""
-
-    input_per_m: float = 0.0
-    cached_input_per_m: float = 0.0
-    output_per_m: float = 0.0
-
-    @classmethod
-    def parse(cls, value: dict | str | None) -> "Price":
-        """From the workload's dict or the CLI's 'INPUT,CACHED,OUTPUT' (dollars per 1M tokens)."""
-        if value is None:
-            return cls()
-        if isinstance(value, str):
-            parts = value.split(",")
-            if len(parts) != 3:
-                raise ValueError(f"--price expects INPUT,CACHED,OUTPUT dollars per 1M tokens, got {value!r}")
-            return cls(*(float(p) for p in parts))
-        return cls(**{k: float(v) for k, v in value.items()})
 
 
 @dataclass(slots=True)

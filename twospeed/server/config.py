@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from twospeed.lab.workload import Price
-from twospeed.server.history import HistoryConfig
+from twospeed.schema.price import Price
 from twospeed.schema.slo import LaneSLO, load_slo_file, parse_slo_flag
+from twospeed.server.history import HistoryConfig
 
 
 @dataclass(slots=True)
