@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from twospeed.engine.request import Bill, Clock, percentile
+from twospeed.schema.clock import Bill, Clock, percentile
 
 log = logging.getLogger(__name__)
 
