@@ -25,7 +25,7 @@ from twospeed.lab.scrape import CACHED_BLOCKS
 from twospeed.lab.workload import Workload
 from twospeed.plan.sim import SimRequest, SimRun, SimStep
 from twospeed.plan.sim_workload import SimJob, SimTraffic
-from twospeed.server.responses import clock_json
+from twospeed.schema.clock import clock_json
 
 SIMULATED = gates.GateResult(True, "simulated: answers are not judged")
 

@@ -15,54 +15,14 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from twospeed.engine.request import Clock, Logprob, SpecTrace, percentile
+from twospeed.engine.request import Logprob, SpecTrace
+from twospeed.schema.clock import Clock, clock_json, merged_clock_json
 
 if TYPE_CHECKING:  # annotations only: the planner's simulator writes clocks without the engine (or torch)
     from twospeed.serving.request_group import StreamItem
 
 
 # -- the split clock and bill in responses ---------------------------------------------------------
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1e3, 3)
-
-
-def clock_json(clock: Clock) -> dict:
-    s = clock.summary()
-    return {"queue_ms": _ms(s["queue_time"]), "route_ms": _ms(s["route_time"]), "prefill_ms": _ms(s["prefill_time"]),
-            "ttft_ms": _ms(s["ttft"]),
-            "itl_ms": {"p50": _ms(s["itl_p50"]), "p99": _ms(s["itl_p99"]), "max": _ms(s["itl_max"])},
-            "tpot_ms": _ms(s["tpot"]), "ttlt_ms": _ms(s["ttlt"]), "decode_steps": clock.decode_steps,
-            "interfered_steps": clock.interfered_steps,
-            "longest_interfered_step_ms": _ms(clock.longest_interfered_step)}
-
-
-def merged_clock_json(clocks: list[Clock]) -> dict:
-    """The clock of a request with several sequences (n > 1, or a batch of prompts): queue and ttft from the
-    first to start, prefill until the last prompt is done, ttlt until the last finishes, itl over all gaps,
-    tpot the mean of the sequences'."""
-    if len(clocks) == 1:
-        return clock_json(clocks[0])
-    arrival = min(c.arrival for c in clocks)
-    first = [c.first_scheduled for c in clocks if c.first_scheduled is not None]
-    done = [c.prefill_done for c in clocks if c.prefill_done is not None]
-    first_tok = [c.first_token for c in clocks if c.first_token is not None]
-    fin = [c.finished for c in clocks if c.finished is not None]
-    gaps = sorted(g for c in clocks for g in c.itl)
-    tpots = [c.tpot for c in clocks if c.tpot is not None]
-    routed = [c.routed for c in clocks if c.routed is not None]
-    return {"queue_ms": _ms(min(first) - arrival) if first else None,
-            "route_ms": _ms(min(routed) - arrival) if routed else None,
-            "prefill_ms": _ms(max(done) - min(first)) if done and first and len(done) == len(clocks) else None,
-            "ttft_ms": _ms(min(first_tok) - arrival) if first_tok else None,
-            "itl_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99)),
-                       "max": _ms(gaps[-1]) if gaps else None},
-            "tpot_ms": _ms(sum(tpots) / len(tpots)) if tpots else None,
-            "ttlt_ms": _ms(max(fin) - arrival) if fin else None,
-            "decode_steps": sum(c.decode_steps for c in clocks),
-            "interfered_steps": sum(c.interfered_steps for c in clocks),
-            "longest_interfered_step_ms": _ms(max(c.longest_interfered_step for c in clocks))}
-
-
 def server_timing(clocks: list[Clock]) -> str:
     m = merged_clock_json(clocks)
     decode = None if m["ttlt_ms"] is None or m["ttft_ms"] is None else round(m["ttlt_ms"] - m["ttft_ms"], 3)
