@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.prompt_tokens, cfg.output_tokens, cfg.rounds, cfg.kernel_mib, cfg.kernel_calls = 16, 4, 1, 4, 8
         cfg.streams, cfg.requests_per_stream = [1, 2], 1
     torch.set_num_threads(cfg.threads)
-    from twospeed.model.builtin import resolve_model_path
+    from twospeed.builtin.registry import resolve_model_path
     from twospeed.model.compute_dtype import auto_dtype
     from twospeed.model.loader import load_model_config
     from twospeed.plan.hardware import measure_local

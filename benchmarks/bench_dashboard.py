@@ -146,7 +146,7 @@ def main() -> int:
     from playwright.sync_api import sync_playwright
 
     from twospeed.lab.local_server import LocalServer
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
 
     demo_checkpoint_path()
     result = {"args": vars(args), "listener": listener_cost()}

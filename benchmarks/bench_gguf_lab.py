@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="markdown file to append to (default: print)")
     args = ap.parse_args()
     if args.model == "smollm2":
-        from twospeed.model.smollm2 import smollm2_path
+        from twospeed.builtin.smollm2 import smollm2_path
 
         gguf = smollm2_path()
     else:

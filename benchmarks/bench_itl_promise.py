@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.model, [float(x) for x in args.rates.split(",")], args.requests, args.variants.split(","),
                 args.engines.split(","), args.scale, args.max_prompt_tokens, args.seed, args.timeout, args.threads)
     if args.smoke:
-        from twospeed.model.demo import demo_checkpoint_path
+        from twospeed.builtin.demo import demo_checkpoint_path
         plan.model, plan.rates, plan.requests, plan.engines = demo_checkpoint_path(), [2.0, 4.0], 6, ["twospeed"]
         plan.scale, plan.max_prompt_tokens, plan.timeout_s = 0.1, 1500, 120.0
     unknown = set(plan.variants) - set(VARIANTS)

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                           threads=args.threads, timeout=args.timeout, sweep=[], engine=list(ENGINE_FLAGS),
                           max_output_tokens=None)
     if args.smoke:
-        from twospeed.model.demo import demo_checkpoint_path
+        from twospeed.builtin.demo import demo_checkpoint_path
 
         cfg.model, cfg.fractions, cfg.scale = demo_checkpoint_path(), [0.5, 1.0], 1.0
         cfg.requests, cfg.max_prompt_tokens, cfg.timeout, cfg.max_output_tokens = 16, 1500, 120.0, 48

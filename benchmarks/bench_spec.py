@@ -78,7 +78,7 @@ class Plan:
 
 def builtin_folder(name: str) -> Path:
     """A built-in model's checkpoint folder (built on first use), or the folder given."""
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
 
     return builtin_checkpoint_path(name) if is_builtin(name) else Path(name)
 

@@ -1,4 +1,4 @@
-"""Build a task model (model/task_model.py) and report its training cost and its held-out pass rates.
+"""Build a task model (builtin/task_model.py) and report its training cost and its held-out pass rates.
 
     python benchmarks/bench_task_model.py                      # demo-task as built in, into a temp folder
     python benchmarks/bench_task_model.py --steps 600 --out /tmp/t  # a variant of the recipe
@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from twospeed.lab import task_corpus, task_prompts  # noqa: E402
-from twospeed.model import task_data, task_model  # noqa: E402
+from twospeed.builtin import task_corpus, task_data, task_model  # noqa: E402
+from twospeed.lab import task_prompts  # noqa: E402
 
 MAX_TOKENS = {"agent": 96, "rag": 96, "nightly": 48, "refusal": 64, "chat": 400}
 

@@ -87,7 +87,7 @@ def hf_checkpoint(request, tmp_path_factory):
 def task_model_path():
     """The built-in task model's folder (`demo-task`): trained on first use into the cache folder, so once per
     TWOSPEED_CACHE (CI sets a fresh one: once per run), then loaded from there by every test that needs it."""
-    from twospeed.model.task_model import task_checkpoint_path
+    from twospeed.builtin.task_model import task_checkpoint_path
 
     return task_checkpoint_path("demo-task")
 

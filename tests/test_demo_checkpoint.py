@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from twospeed.model import demo
-from twospeed.model.demo import DEMO_CONFIG, build_demo_tokenizer, demo_checkpoint_path, write_demo_checkpoint
+from twospeed.builtin import demo
+from twospeed.builtin.demo import DEMO_CONFIG, build_demo_tokenizer, demo_checkpoint_path, write_demo_checkpoint
 from twospeed.model.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_tokenizer_build_is_deterministic(ckpt):
 def test_build_in_another_process_is_identical(ckpt, tmp_path):
     # A fresh process has fresh hash seeds and thread pools: checks the BPE trainer and the weights are
     # deterministic across processes, not only within one.
-    code = "import sys; from twospeed.model.demo import write_demo_checkpoint; write_demo_checkpoint(sys.argv[1])"
+    code = "import sys; from twospeed.builtin.demo import write_demo_checkpoint; write_demo_checkpoint(sys.argv[1])"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], env=env, check=True, timeout=120)
     assert file_hashes(tmp_path / "other") == file_hashes(ckpt)

@@ -292,7 +292,7 @@ def test_the_server_side_loads_the_tokenizer_the_engine_was_told_to():
     """--tokenizer FOLDER: the server's view loads that folder's tokenizer, as the engine did, not the checkpoint's."""
     import dataclasses
 
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.serving.engine_view import EngineFacts, load_tokenizer
 
     facts = EngineFacts.of(LLMEngine(CONFIG), "engine", "i", "1")

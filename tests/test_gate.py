@@ -14,7 +14,7 @@ from twospeed.cli import main
 from twospeed.lab import gate_verdict, probes
 from twospeed.lab.compare import load_runs
 from twospeed.lab.gate import GateConfig
-from twospeed.model import task_model
+from twospeed.builtin import task_model
 
 
 @pytest.mark.parametrize("lost,gained", [(0, 0), (1, 0), (3, 1), (5, 0), (4, 4), (2, 7)])

@@ -20,7 +20,7 @@ TTFT_OVERHEAD_S = 0.5
 
 @pytest.fixture(scope="module")
 def server():
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
 
     demo_checkpoint_path()
     with LocalServer("demo", ["--kv-cache-memory-gb", "0.1", "--max-num-batched-tokens", "256"]) as s:

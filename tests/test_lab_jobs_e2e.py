@@ -19,7 +19,7 @@ OTHER_TOLERANCE_S = 0.5  # time in a job the lab could not attribute (prompt bui
 
 @pytest.fixture(scope="module")
 def server():
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
 
     demo_checkpoint_path()
     with LocalServer("demo", ["--kv-cache-memory-gb", "0.1", "--max-num-batched-tokens", "512"]) as s:

@@ -14,7 +14,7 @@ from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.lab.prefix_score import (
     RenderedPrompt, common_prefix_len, load_tokenizer, read_prompts, render, score_prompts,
 )
-from twospeed.model.demo import demo_checkpoint_path
+from twospeed.builtin.demo import demo_checkpoint_path
 
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} things",
                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}

@@ -34,7 +34,7 @@ class ServerProcess:
     """`twospeed serve` in a subprocess; its output is drained by a thread (kept for failure messages)."""
 
     def __init__(self, *args: str, ready_timeout: float = 120.0):
-        from twospeed.model.demo import demo_checkpoint_path
+        from twospeed.builtin.demo import demo_checkpoint_path
 
         demo_checkpoint_path()  # build the demo checkpoint here once, never by two processes at a time
         flags = []

@@ -190,7 +190,7 @@ def test_truncated_forced_tool_call_has_openai_shape(server):
 
 # -- /tokenize and /detokenize (vLLM's shapes) --------------------------------------------------------------
 def test_tokenize_and_detokenize_match_the_tokenizer(server):
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(demo_checkpoint_path())

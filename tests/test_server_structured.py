@@ -176,7 +176,7 @@ def test_bad_schemas_and_tools_are_400(server, body, param, words):
 def test_auto_tool_grammar_admits_a_valid_call_or_text_and_nothing_else():
     """A random-weight model seldom starts with "{", so the call branch of "auto" is checked on the grammar."""
     from twospeed.engine.structured import GrammarCompiler
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.model.tokenizer import Tokenizer
     from twospeed.server.protocol import ChatCompletionRequest
 

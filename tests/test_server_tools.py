@@ -39,7 +39,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _render(template: str):
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(demo_checkpoint_path())
@@ -49,7 +49,7 @@ def _render(template: str):
 
 
 def test_a_template_without_a_tool_section_is_detected():
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.model.tokenizer import Tokenizer
 
     demo = Tokenizer.from_pretrained(demo_checkpoint_path())
@@ -123,7 +123,7 @@ def test_closing_refuses_undeclared_properties_and_respects_stated_rules():
 
 def test_the_call_grammar_admits_only_declared_arguments_unless_strict_is_false():
     from twospeed.engine.structured import GrammarCompiler
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
     from twospeed.model.tokenizer import Tokenizer
     from twospeed.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -151,7 +151,7 @@ def test_the_call_grammar_admits_only_declared_arguments_unless_strict_is_false(
 # -- served, on a template without tools -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chatml_server(tmp_path_factory):
-    from twospeed.model.demo import demo_checkpoint_path
+    from twospeed.builtin.demo import demo_checkpoint_path
 
     src, folder = demo_checkpoint_path(), tmp_path_factory.mktemp("chatml")
     for f in src.iterdir():

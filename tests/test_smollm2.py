@@ -47,7 +47,7 @@ def client(server):
 
 
 def test_the_builtin_is_the_pinned_file():
-    from twospeed.model.smollm2 import SHA256, SIZE, smollm2_path
+    from twospeed.builtin.smollm2 import SHA256, SIZE, smollm2_path
 
     path = smollm2_path()
     assert path.stat().st_size == SIZE
@@ -56,7 +56,7 @@ def test_the_builtin_is_the_pinned_file():
 
 def test_greedy_chat_matches_transformers_on_the_same_file():
     from test_gguf import check_smollm2_chat
-    from twospeed.model.smollm2 import smollm2_path
+    from twospeed.builtin.smollm2 import smollm2_path
 
     check_smollm2_chat(smollm2_path())
 

@@ -21,11 +21,11 @@ import torch
 import yaml
 
 from twospeed import LLM, SamplingParams
-from twospeed.lab import task_corpus, task_prompts
+from twospeed.builtin import copy_circuit, flag_circuit, task_corpus, task_data, task_model
+from twospeed.lab import task_prompts
 from twospeed.lab.prompts import TokenCounter
 from twospeed.lab.schedule import PlanConfig, Planner
 from twospeed.lab.workload import BUILTIN, load_workload
-from twospeed.model import copy_circuit, flag_circuit, task_data, task_model
 from twospeed.model.llama import apply_rope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def pass_rates(examples, texts) -> dict[tuple[str, str], float]:
 
 # The issue's bars: each lane's gate, held out, bf16, greedy, no grammar. Recipe task-v17 copies from the
 # prompt with built induction heads on a five-token code match (taught to copy nothing where the answer's next
-# token comes from nowhere) and refuses by a built flag circuit (model/flag_circuit.py).
+# token comes from nowhere) and refuses by a built flag circuit (builtin/flag_circuit.py).
 @pytest.fixture(scope="module")
 def unconstrained(task_llm) -> tuple[dict, dict]:
     """Every gate's pass rate on the held-out prompts (greedy, no grammar), and the same as a readable report."""
@@ -287,7 +287,7 @@ def test_copied_code_names_the_copied_token():
     at init, on four rag sessions, where the answer copies a span whose two-token context is unique in the
     sequence, that output raises the copied token's logit above every other token's (the brute-force source
     from copy_sources is the reference)."""
-    from twospeed.model.flag_circuit import layout
+    from twospeed.builtin.flag_circuit import layout
 
     tokenizer = task_model.build_task_tokenizer()
     spec = task_model.TASK_SPECS["demo-task"]
@@ -322,7 +322,7 @@ def test_copy_heads_looking_at_the_sink_write_nothing():
     token, a special one: what they copy from there must raise no token's logit. With the sinks' random codes
     they raised the stop token's wherever those codes happened to align (a seed-1 build stopped at `"code": "`
     on most nightly rows; zeroing the copy heads' output took the stop token there from 0.14-0.20 to 0.00)."""
-    from twospeed.model.flag_circuit import layout
+    from twospeed.builtin.flag_circuit import layout
 
     spec = task_model.TASK_SPECS["demo-task"]
     model, _ = task_model.new_model(spec, task_model.build_task_tokenizer())
@@ -368,7 +368,7 @@ def test_probe_output_is_what_the_copy_heads_write():
 def test_probe_loss_weighs_each_target_by_its_share():
     """probe_loss against a spelled-out softmax: -sum(share x log attention at the target), over the causal
     prefix, averaged over the probed heads; equal shares give the plain mean."""
-    from twospeed.model.train_llama import probe_loss
+    from twospeed.builtin.train_llama import probe_loss
 
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 2, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
@@ -546,7 +546,7 @@ def test_build_is_deterministic(tmp_path):
     """Same spec and seed -> the same bytes, in this process and in a fresh one (new hash seeds, new thread
     pools); another seed -> other weights. A tiny spec: the recipe is the same code path as demo-task's."""
     a = task_model.write_task_checkpoint(tmp_path / "a", TINY, progress=False)
-    code = ("import sys; from twospeed.model import task_model as tm; from tests.test_task_model import TINY; "
+    code = ("import sys; from twospeed.builtin import task_model as tm; from tests.test_task_model import TINY; "
             "tm.write_task_checkpoint(sys.argv[1], TINY, progress=False)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "b")], env=env, check=True, timeout=300, cwd=REPO)
@@ -572,7 +572,7 @@ def test_checkpoint_is_a_real_hf_folder(task_model_path):
 
 
 def test_training_model_is_hf_llama():
-    """The training-mode Llama (model/train_llama.py) computes what HF's LlamaForCausalLM computes with the same
+    """The training-mode Llama (builtin/train_llama.py) computes what HF's LlamaForCausalLM computes with the same
     tensors (so what it learns is what the serving model runs), and its state dict is the HF one."""
     transformers = pytest.importorskip("transformers")
     model = task_model.TrainLlama(TINY.model_config())
@@ -590,7 +590,7 @@ def test_training_model_is_hf_llama():
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-# -- the refusal circuit (model/flag_circuit.py) -------------------------------------------------------------
+# -- the refusal circuit (builtin/flag_circuit.py) -------------------------------------------------------------
 # Small enough to train in seconds, large enough for the circuits: 235 reserved coordinates beside 128 learnt (the
 # copy heads' bases need two head_dims of them), 19 slow RoPE planes.
 TINY_FLAG = task_model.TaskModelSpec(hidden_size=363, intermediate_size=128, num_layers=2, num_heads=6,
@@ -768,7 +768,7 @@ def test_flag_circuit_stays_as_built():
 def test_circuit_scale_follows_the_residual():
     """CircuitScale: a relative entry moves by the measured RMS ratio since the first step, an absolute one to
     the RMS itself; the reference is the RMS computed here from the same forward pass."""
-    from twospeed.model.circuit_scale import CircuitScale
+    from twospeed.builtin.circuit_scale import CircuitScale
 
     model = task_model.TrainLlama(TINY.model_config())
     task_model.init_weights(model, seed=3)

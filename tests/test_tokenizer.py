@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twospeed.model.demo import write_demo_tokenizer
+from twospeed.builtin.demo import write_demo_tokenizer
 from twospeed.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["Hello world", " leading space", "emoji 😀👍🏽 and 中文 and café", "a\n\n  b\t\tc   ", "", " ",

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from twospeed.model import train_dtype
+from twospeed.builtin import train_dtype
 
 
 @pytest.fixture

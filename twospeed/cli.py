@@ -204,7 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
         server_config = ServerConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
         server_config.lanes()  # a bad --slo fails here, with its message
-        from twospeed.model.builtin import is_builtin, resolve_model_path
+        from twospeed.builtin.registry import is_builtin, resolve_model_path
         if not is_builtin(args.model):  # a built-in is built (torch, in the main thread) only in the engine thread
             resolve_model_path(args.model)  # a wrong --model fails here, before uvicorn starts
     except (ValueError, TypeError, OSError, RuntimeError) as e:

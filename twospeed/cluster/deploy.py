@@ -91,7 +91,7 @@ def deploy(engine_config: EngineConfig, server_config: ServerConfig, cluster: Cl
     """Start Serve's proxy (if it is not running) and deploy the application; returns the API's URL."""
     from ray import serve
 
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
 
     if is_builtin(engine_config.model) and cluster.attach_to is None:
         builtin_checkpoint_path(engine_config.model)  # built once here, before the replicas and the ingress look

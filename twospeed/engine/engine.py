@@ -53,7 +53,7 @@ from twospeed.engine.scheduler import Scheduler, SchedulerOutput
 from twospeed.engine.spec import make_speculator
 from twospeed.engine.stop import Stop, check_stop
 from twospeed.model.batch_invariant import make_batch_invariant
-from twospeed.model.builtin import resolve_model_path
+from twospeed.builtin.registry import resolve_model_path
 from twospeed.model.compute_dtype import auto_dtype
 from twospeed.model.loader import load_model, load_model_config
 

@@ -192,7 +192,7 @@ class DraftModelProposer:
 
 def draft_model_path(name: str) -> Path:
     """The draft's checkpoint folder: as the target's is found (engine.py imports this module, hence here)."""
-    from twospeed.model.builtin import resolve_model_path
+    from twospeed.builtin.registry import resolve_model_path
 
     return resolve_model_path(name)
 

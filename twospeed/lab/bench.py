@@ -97,7 +97,7 @@ class BenchConfig:
 
 def _tokenizer_path(cfg: BenchConfig) -> str | Path | None:
     """--tokenizer, a built-in model's name for its tokenizer, or (without one) --model's when it is built in."""
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
 
     name = cfg.tokenizer if cfg.tokenizer is not None else cfg.model
     return builtin_checkpoint_path(name) if is_builtin(name) else cfg.tokenizer

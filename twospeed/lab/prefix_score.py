@@ -101,7 +101,7 @@ class PrefixReport:
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """A built-in model's tokenizer (default: the demo's), an HF checkpoint folder's, a GGUF file's, or a bare
     tokenizer.json (no chat template)."""
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
     from twospeed.model.checkpoint_files import find_gguf
 
     if path is None or is_builtin(str(path)):

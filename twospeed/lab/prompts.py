@@ -19,15 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-WORDS = ("account order invoice shipment refund customer warehouse carrier delay status region policy update "
-         "report ticket priority escalate review approve reject balance payment credit window schedule route "
-         "inventory supplier contract clause renewal discount margin forecast quarter budget audit compliance "
-         "incident outage latency deploy rollback service cluster region replica backup restore metric alert "
-         "threshold owner team project milestone deadline summary detail evidence source record field value "
-         "the a of to and in for with on by from at as is was are be this that it which").split()
-TOOLS = ("lookup_order", "issue_refund", "update_address", "escalate_ticket", "search_knowledge_base",
-         "schedule_callback", "cancel_subscription", "check_inventory")
-CODES = ("RETAIL", "WHOLESALE", "LOGISTICS", "FINANCE", "SUPPORT", "UNKNOWN")
+from twospeed.builtin.task_corpus import CODES, TOOLS, WORDS  # the domain the task corpus writes in
 
 
 class TokenCounter:

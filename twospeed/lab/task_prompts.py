@@ -1,4 +1,4 @@
-"""Task prompts: a lane's prompts drawn from the task corpus (lab/task_corpus.py) instead of word salad.
+"""Task prompts: a lane's prompts drawn from the task corpus (builtin/task_corpus.py) instead of word salad.
 
 A lane with `prompts: task` (or `twospeed bench --prompts task`) keeps its shape — arrivals, lengths, the
 byte-stable shared prefix, max_tokens, SLO, gate — but its prompts are the corpus' formats, which the
@@ -22,7 +22,8 @@ import random
 
 import numpy as np
 
-from twospeed.lab import gates, task_corpus
+from twospeed.builtin import task_corpus
+from twospeed.lab import gates
 from twospeed.lab.prompts import Prompt, TokenCounter
 
 REFUSAL_SHARE = 0.2  # of a chat lane's task prompts, those that ask for what the system block forbids

@@ -143,7 +143,7 @@ def model_config_json(model: str | None) -> dict:
     """The checkpoint's config.json as a dict ({} when there is none), for the lab's KV bill."""
     if not model:
         return {}
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
 
     if is_builtin(model):
         model = str(builtin_checkpoint_path(model))

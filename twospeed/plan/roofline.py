@@ -204,7 +204,7 @@ def roofline_case(cfg: ModelConfig, peak_flops: float, bandwidth: float, prompt_
 def load_config(model: str) -> ModelConfig:
     """ModelConfig of a built-in model ("demo", ...), an HF checkpoint folder, a config.json path or a GGUF file
     (weights are not read)."""
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
     from twospeed.model.checkpoint_files import is_checkpoint_path
     from twospeed.model.loader import load_model_config
 

@@ -82,7 +82,7 @@ def _replica(args: argparse.Namespace):
 def _tokenizer(args: argparse.Namespace) -> str | None:
     if args.tokenizer:
         return None if args.tokenizer == "none" else args.tokenizer
-    from twospeed.model.builtin import builtin_checkpoint_path, is_builtin
+    from twospeed.builtin.registry import builtin_checkpoint_path, is_builtin
 
     if is_builtin(args.model):
         return str(builtin_checkpoint_path(args.model))

@@ -21,7 +21,7 @@ from twospeed.config import EngineConfig, SchedulerConfig
 from twospeed.engine.admission import ModelLimits
 from twospeed.engine.cost_model import LinearCostModel
 from twospeed.engine.engine_stats import EngineMemory
-from twospeed.model.builtin import resolve_model_path
+from twospeed.builtin.registry import resolve_model_path
 
 if TYPE_CHECKING:
     from twospeed.engine.engine import LLMEngine

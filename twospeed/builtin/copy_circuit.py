@@ -1,4 +1,4 @@
-"""The copy circuit a task model starts with (model/task_model.py): a previous-token head in layer 0 and an
+"""The copy circuit a task model starts with (builtin/task_model.py): a previous-token head in layer 0 and an
 induction head (or a plain copier) in the copy layer, built into the weights before training.
 
 Why: at a few million parameters and a few minutes of training, a model learns every lane's format but not to
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from twospeed.model.circuit_scale import CircuitScale
-from twospeed.model.flag_circuit import layout
-from twospeed.model.train_llama import TrainLlama
+from twospeed.builtin.circuit_scale import CircuitScale
+from twospeed.builtin.flag_circuit import layout
+from twospeed.builtin.train_llama import TrainLlama
 
 if TYPE_CHECKING:
-    from twospeed.model.task_model import TaskModelSpec
+    from twospeed.builtin.task_model import TaskModelSpec
 
 
 def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int = 1, layer: int = -1) -> None:
@@ -44,7 +44,7 @@ def init_copy_head(model: TrainLlama, seed: int, gain: float = 1.0, heads: int =
 def _basis(gen: torch.Generator, hidden: int, n: int, keep_out: tuple[int, ...],
            outside: torch.Tensor | None = None) -> torch.Tensor:
     """An orthonormal [hidden, n] basis with no component along the `keep_out` coordinates (the reserved ones
-    of model/flag_circuit.py, which nothing learnt or built here may write or read), nor, when given, along
+    of builtin/flag_circuit.py, which nothing learnt or built here may write or read), nor, when given, along
     the orthonormal columns of `outside`."""
     room = hidden - len(keep_out) - (0 if outside is None else outside.shape[1])
     if room < n:  # QR would fill the missing directions with reserved coordinates
@@ -120,7 +120,7 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
                         layer: int, seed: int, code_gain: float = 0.0, context: int = 2,
                         sinks: tuple[int, ...] = ()) -> None:
     """Turn the induction heads' match from one token to `context` tokens, on the fixed token codes of the
-    reserved coordinates (model/flag_circuit.py): at i the query reads the codes of this token and the
+    reserved coordinates (builtin/flag_circuit.py): at i the query reads the codes of this token and the
     `context` - 1 before it, at j the key reads those of the `context` tokens before j, each pair in its own
     share of RoPE's slow planes (`_pair_planes`). So "[P" followed by "2" finds the "2" after the same "[P" in the
     passage being copied, not the first "2" anywhere: a copy that entered a passage stays there; and with five
@@ -128,7 +128,7 @@ def init_code_induction(model: TrainLlama, at: dict[str, list[int]], heads: int,
     a sibling passage's of the same kind. Each head projects the 32-dim codes through its own random
     orthonormal rows, so the heads' chance matches differ and their copies average them out. The slowest plane
     keys the sink (the special token that opens the sequence), and the queries' entries there start at zero and
-    learn (taught by the probe's abstain targets, model/task_model.py): the one way a query can copy nothing
+    learn (taught by the probe's abstain targets, builtin/task_model.py): the one way a query can copy nothing
     when its codes match (a copied span has ended, or the answer's next token is no copy at all).
 
     With `code_gain` each head also copies the attended token's code (CUR_CODE) into the CODE coordinates, in
@@ -229,7 +229,7 @@ def copy_heads(spec: TaskModelSpec) -> tuple[int, ...]:
 
 
 def copy_scales(spec: TaskModelSpec, model: TrainLlama, scale: CircuitScale) -> None:
-    """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the previous-
+    """Register the circuit's weights that follow the residual's scale (builtin/circuit_scale.py): the previous-
     token head's positional query and key, which read the embeddings' constant direction after layer 0's norm
     (the learnt embeddings grow, the constant does not, and the head would blur over its neighbours). What the
     heads write is not scaled: it is part of the residual it would be scaled by, and the loop diverges."""

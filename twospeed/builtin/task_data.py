@@ -1,4 +1,4 @@
-"""What the task model (model/task_model.py) trains on: the lab's corpus (lab/task_corpus.py) rendered into
+"""What the task model (builtin/task_model.py) trains on: the lab's corpus (builtin/task_corpus.py) rendered into
 token sequences, the source of every copied answer token, and the seeded stream of steps.
 
 Why its own module: the sequences are the contract between the corpus and the trainer (the loss covers the
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from twospeed.lab import task_corpus
-from twospeed.model.demo import BOS, EOS, IM_END, PAD, SPECIAL_TOKENS
+from twospeed.builtin import task_corpus
+from twospeed.builtin.demo import BOS, EOS, IM_END, PAD, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
-    from twospeed.model.task_model import TaskModelSpec
+    from twospeed.builtin.task_model import TaskModelSpec
 
 BOS_ID, EOS_ID, IM_END_ID, PAD_ID = (SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END, PAD))
 

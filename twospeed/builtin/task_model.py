@@ -1,11 +1,11 @@
 """The built-in task checkpoint (`demo-task`): a small Llama trained here, on first use,
-on the lab's lane formats (lab/task_corpus.py).
+on the lab's lane formats (builtin/task_corpus.py).
 
 Why: random weights make the lab's gates fail by construction, a quantization gate cannot tell a broken
 quantization from a good one, and speculative acceptance measured on noise says nothing. Nothing can be
 downloaded, so twospeed trains its own: a byte-level BPE tokenizer fitted to the corpus, then a Llama
-(model/train_llama.py, HF parameter names) trained on answers only, AdamW with warmup and cosine decay,
-bf16 autocast where this CPU runs it clearly faster than float32 (measured once: model/train_dtype.py), float32
+(builtin/train_llama.py, HF parameter names) trained on answers only, AdamW with warmup and cosine decay,
+bf16 autocast where this CPU runs it clearly faster than float32 (measured once: builtin/train_dtype.py), float32
 elsewhere.
 
 Copying from the prompt (an id from the evidence, the passage id after a fact) is what minutes of training
@@ -40,25 +40,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from twospeed.builtin import task_corpus
+from twospeed.builtin.circuit_scale import CircuitScale, level_embeddings
+from twospeed.builtin.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_code_induction,
+                                           init_copy_head, init_induction_head, init_previous_token_head)
+from twospeed.builtin.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
+from twospeed.builtin.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
+                                           reserved)
+from twospeed.builtin.registry import TASK_NAMES
+from twospeed.builtin.task_data import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, ROWS_MULTIPLE, Sequence,  # noqa: F401
+                                        batches, collate)
+from twospeed.builtin.train_dtype import train_in_bf16
+from twospeed.builtin.train_llama import AttentionProbe, TrainLlama
 from twospeed.config import ModelConfig, cache_root
-from twospeed.lab import task_corpus
-from twospeed.model.builtin import TASK_NAMES
 from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
-from twospeed.model.copy_circuit import (circuit_slices, copy_heads, copy_layer, copy_scales, init_code_induction,
-                                        init_copy_head, init_induction_head, init_previous_token_head)
-from twospeed.model.circuit_scale import CircuitScale, level_embeddings
-from twospeed.model.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
-                                         reserved)
-from twospeed.model.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
-from twospeed.model.task_data import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, ROWS_MULTIPLE, Sequence,  # noqa: F401
-                                      batches, collate)
-from twospeed.model.train_dtype import train_in_bf16
-from twospeed.model.train_llama import AttentionProbe, TrainLlama
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
 TASK_VERSION = "task-v17"
 TASK_VOCAB_SIZE = 5120  # ~1,100 of them the digit runs
-DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; model/demo.py)
+DIGIT_GROUP = 3  # numbers in runs of up to three digits, each run one token (as Llama 3; builtin/demo.py)
 TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the weights must not depend on the load
 
 
@@ -66,10 +66,10 @@ TRAIN_THREADS = int(os.environ.get("TWOSPEED_TRAIN_THREADS", "2"))  # fixed: the
 class TaskModelSpec:
     """One built-in task model: its shape and its training recipe."""
 
-    hidden_size: int = 492  # 257 learnt + 235 reserved for the built circuits' codes (model/flag_circuit.py)
+    hidden_size: int = 492  # 257 learnt + 235 reserved for the built circuits' codes (builtin/flag_circuit.py)
     intermediate_size: int = 1024
     num_layers: int = 3
-    num_heads: int = 6  # layer 0's six are all built (model/flag_circuit.py); later layers' beyond the circuits learn
+    num_heads: int = 6  # layer 0's six are all built (builtin/flag_circuit.py); later layers' beyond the circuits learn
     num_kv_heads: int = 6
     head_dim: int = 64
     max_position_embeddings: int = 2048  # tokens; the corpus' longest prompt + answer stays well below it
@@ -83,7 +83,7 @@ class TaskModelSpec:
     weight_decay: float = 0.05  # on matrices only
     first_weight: float = 5.0  # loss weight of each answer's first token (where refuse-or-answer is decided)
     last_weight: float = 3.0  # ... and of its last, the stop token (where a copy of the answer's start competes)
-    # The copy circuit (model/copy_circuit.py; model/train_llama.py's AttentionProbe):
+    # The copy circuit (builtin/copy_circuit.py; builtin/train_llama.py's AttentionProbe):
     copy_layer: int = -1  # the layer whose heads copy (negative: from the end)
     copy_heads: int = 3  # its heads that copy (heads x head_dim <= hidden - head_dim)
     induction_init: bool = True  # they start as a built induction head; else as a plain copier (init_copy_head)
@@ -100,9 +100,9 @@ class TaskModelSpec:
     #                              token) where the answer's next token is copied from nowhere: the stop token,
     #                              the JSON's punctuation (else a copy of the answer's start outvotes them)
     copy_weight: float = 1.0  # weight of the copy loss: what the copy heads alone write must name the copied token
-    scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (model/circuit_scale.py)
+    scale_circuit: bool = True  # the built heads follow the residual's scale as it grows (builtin/circuit_scale.py)
     flag: FlagShape | None = FlagShape(back3_head=0, far_heads=(4, 5))  # the built refusal circuit
-    #                                                                     (model/flag_circuit.py); None: none
+    #                                                                     (builtin/flag_circuit.py); None: none
     code_match: float = 3.9  # > 0 (with `flag`): the copy heads match `code_context` tokens on the circuit's token
     #                          codes, at this sharpness (copy_circuit.init_code_induction); 0: one, on embeddings
     code_gain: float = 10.0  # > 0 (with code_match): the copy heads also write the copied token's code, at this gain
@@ -136,7 +136,7 @@ TASK_SPECS: dict[str, TaskModelSpec] = {
     # 3 of 4 in bf16; BENCHMARKS.md, issue 14).
     "demo-task": TaskModelSpec(seed=0),
 }
-assert set(TASK_SPECS) == set(TASK_NAMES), "model/builtin.py names every task model"
+assert set(TASK_SPECS) == set(TASK_NAMES), "builtin/registry.py names every task model"
 
 
 # -- tokenizer ---------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def tokenizer_config(spec: TaskModelSpec) -> dict:
 # -- training ----------------------------------------------------------------------------------------------
 def bf16_matmuls() -> bool:
     """Whether this machine trains in bf16 autocast: where it is measured clearly faster than float32
-    (model/train_dtype.py; recorded in the cache folder, so a machine decides once)."""
+    (builtin/train_dtype.py; recorded in the cache folder, so a machine decides once)."""
     return train_in_bf16(TRAIN_THREADS)
 
 
@@ -255,7 +255,7 @@ def copy_probe(spec: TaskModelSpec, copies: tuple, abstains: tuple) -> Attention
 
 
 def circuit_scale(spec: TaskModelSpec, model: TrainLlama) -> CircuitScale | None:
-    """The built weights that follow the residual's scale while training (model/circuit_scale.py)."""
+    """The built weights that follow the residual's scale while training (builtin/circuit_scale.py)."""
     if not (spec.freeze_circuit and spec.probe_weight > 0 and spec.scale_circuit):
         return None
     scale = CircuitScale(model, spec.hidden_size - (len(reserved(spec.hidden_size)) if spec.flag else 0))

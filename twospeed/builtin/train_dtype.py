@@ -1,4 +1,4 @@
-"""The dtype a task model trains in on this CPU (model/task_model.py): measured, once per machine.
+"""The dtype a task model trains in on this CPU (builtin/task_model.py): measured, once per machine.
 
 Why: a CPU flag does not say which is faster. bf16 autocast halves a matmul's bytes and, with AMX or a
 full-width AVX-512 BF16 unit, its time (a 1,000-step build: ~109 s in bf16 on a Zen 5). But on a Xeon that
@@ -8,7 +8,7 @@ slower (0.58 against 0.40 s). Without bf16 instructions bf16 is a scalar fallbac
 So the trainer times the step's largest product both ways and trains in bf16 only where it clearly wins.
 
 The answer is written to the cache folder under the CPU (model and flags), torch's version and the thread count: a
-machine decides once, and a build's weights, which depend on the choice (model/task_model.spec_key), are the
+machine decides once, and a build's weights, which depend on the choice (builtin/task_model.spec_key), are the
 same from one run to the next.
 """
 

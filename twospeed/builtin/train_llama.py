@@ -1,6 +1,6 @@
 """A training-mode Llama in plain torch, with HF LlamaForCausalLM's parameter names and layout.
 
-Why: the built-in task model (model/task_model.py) is trained on first use, and transformers is only a test
+Why: the built-in task model (builtin/task_model.py) is trained on first use, and transformers is only a test
 dependency. The serving model (model/llama.py) is built for a paged cache and a flat batch; this one is the
 textbook decoder over a padded batch [B, T], with torch's fused SDPA (causal) for attention, so training is
 a few dozen lines and its `state_dict()` is exactly the tensors an HF checkpoint holds (the one loader
@@ -62,7 +62,7 @@ class AttentionProbe:
     and `output` (what those heads alone add to the residual there, for a copy loss on it).
 
     Why: a model this small, trained for minutes, learns what to write long before it learns where in a long
-    prompt to copy it from. Telling the copy heads where the copied token sits (model/task_model.py finds it)
+    prompt to copy it from. Telling the copy heads where the copied token sits (builtin/task_model.py finds it)
     helps copying ids, names and values from the evidence; nothing changes at inference."""
 
     layer: int

@@ -1,4 +1,4 @@
-"""Keeps the built circuits (model/copy_circuit.py, model/flag_circuit.py) at the scale of the residual around them
+"""Keeps the built circuits (builtin/copy_circuit.py, builtin/flag_circuit.py) at the scale of the residual around them
 while the rest of the model trains.
 
 Why: a built head writes and matches at the scale it was built for, but the learnt part of the residual grows
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twospeed.model.train_llama import TrainLlama
+from twospeed.builtin.train_llama import TrainLlama
 
 
 @dataclass(slots=True)

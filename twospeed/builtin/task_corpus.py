@@ -1,6 +1,6 @@
 """The task corpus: prompts shaped like the lab's lanes, each with the answer a good model gives.
 
-One generator serves two users. `twospeed.model.task_model` trains the built-in `demo-task` checkpoint on
+One generator serves two users. `twospeed.builtin.task_model` trains the built-in `demo-task` checkpoint on
 it (train seeds), and the lab's task prompts (`prompts: task`, lab/task_prompts.py) draw from it with the
 run's own seeds, which the training never saw. So the lab's gates judge a model that has learned these
 formats, and a broken quantization or a bad draft model shows in the pass rates.
@@ -35,7 +35,16 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from twospeed.lab.prompts import CODES, TOOLS, WORDS
+# The product domain's words, tools and codes: the corpus's, and the lab's synthetic prompts' (lab/prompts.py)
+WORDS = ("account order invoice shipment refund customer warehouse carrier delay status region policy update "
+         "report ticket priority escalate review approve reject balance payment credit window schedule route "
+         "inventory supplier contract clause renewal discount margin forecast quarter budget audit compliance "
+         "incident outage latency deploy rollback service cluster region replica backup restore metric alert "
+         "threshold owner team project milestone deadline summary detail evidence source record field value "
+         "the a of to and in for with on by from at as is was are be this that it which").split()
+TOOLS = ("lookup_order", "issue_refund", "update_address", "escalate_ticket", "search_knowledge_base",
+         "schedule_callback", "cancel_subscription", "check_inventory")
+CODES = ("RETAIL", "WHOLESALE", "LOGISTICS", "FINANCE", "SUPPORT", "UNKNOWN")
 
 LANES = ("agent", "rag", "nightly", "refusal", "chat")
 
@@ -86,7 +95,7 @@ _TOOL_DOCS = {
 # An id's kind -> the schemes it is written in (prefix, digits): companies number the same thing differently,
 # so a tool takes ids of several shapes. The call's one argument is the id, copied from the evidence, where it is
 # written "#ORD-793148" so that its tokens are the ones the JSON string holds ('ORD', not ' ORD'): the copy heads
-# (model/copy_circuit.py) copy the prefix with the digits. With one scheme a tool, task-v16's builds learnt the
+# (builtin/copy_circuit.py) copy the prefix with the digits. With one scheme a tool, task-v16's builds learnt the
 # picked tool's prefix as well and wrote it over the copy when they picked the wrong tool (then lost the JSON:
 # agent json 92.5-95% on two of four seeds); with several, only the copy predicts it.
 _ID_SCHEMES: dict[str, tuple[tuple[str, int], ...]] = {
@@ -170,7 +179,7 @@ def agent(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> Tas
 
 # -- rag ---------------------------------------------------------------------------------------------------
 # noun, statement (with {v}), question, value drawer. The question opens with " The <subject>", as the answer does:
-# the answer's subject is then a copy of the question's (the copy heads match the token before, model/copy_circuit.py),
+# the answer's subject is then a copy of the question's (the copy heads match the token before, copy_circuit.py),
 # not a lookup from the question to the passage that a small model does not learn.
 _FACTS: list[tuple[str, str, str, Callable[[random.Random], str]]] = [
     ("contract", "renews on {v}", "The {s}: when does it renew", lambda r: f"20{r.randint(26, 39)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}"),
@@ -229,7 +238,7 @@ _ROW_WORDS = tuple(w for w in WORDS if w not in _FILLER_BAN)
 
 def nightly_prefix(rng: random.Random, filler_words: int) -> str:
     """The mapping rules. The allowed codes are listed as the answer writes them (`"RETAIL", `), so a first row's
-    code is a copy from the list (model/task_data.copy_sources), as a later row's is of an earlier answer's; the
+    code is a copy from the list (builtin/task_data.copy_sources), as a later row's is of an earlier answer's; the
     copy heads then put its mass on the codes. (task-v15 listed them bare: a first row's code was copied from
     nowhere, split six ways by the learnt layers, and on 4 of its 8 builds the stop token came first.)"""
     codes = [c for c in CODES if c != "UNKNOWN"]
@@ -258,7 +267,7 @@ def nightly(rng: random.Random, prefix: str, new_words: int, turn: int = 1) -> T
 # topic -> (what a desk may forbid, requests on that topic, the subject of a note answering one). The topic's own
 # word ends the rule (right before its ';') and is in every request on it (and in no other topic's): the
 # refuse-or-answer decision is "does the request name the word the rule ends with", which the task model's built
-# flag circuit (model/flag_circuit.py) reads, not a paraphrase a small model would have to know.
+# flag circuit (builtin/flag_circuit.py) reads, not a paraphrase a small model would have to know.
 _TOPICS = {
     "pricing": ("discuss internal pricing", ("explain the internal pricing for {x}", "list the pricing tiers for {x}"),
                 "the pricing for {x}"),
@@ -278,7 +287,7 @@ _NOTE_TOPICS = ("the quarterly budget review", "moving the {x} warehouse", "the 
                 "the holiday schedule", "the {x} supplier audit")
 # Its first word is its own (no note starts with it): whether to refuse is decided at the first token. After
 # ": " it is the rule copied word for word (the five tokens before the topic, ": this desk must never", are the
-# rule's too, so the copy heads' five-token match finds the rule, model/copy_circuit.py), and its fixed words share
+# rule's too, so the copy heads' five-token match finds the rule, builtin/copy_circuit.py), and its fixed words share
 # nothing with a note's ("but I can't" lost to a note's "but <who> will flag" on task-v15's refusal misses).
 _RULE = "this desk must never {forbid}"  # the system block's rule, which a refusal ends with word for word
 _REFUSAL = f" Sorry, I cannot help: {_RULE}."

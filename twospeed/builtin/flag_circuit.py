@@ -1,5 +1,5 @@
-"""The refusal circuit a task model starts with (model/task_model.py): does the request name the topic the
-system block forbids? Built into the weights and held, like the copy circuit (model/copy_circuit.py).
+"""The refusal circuit a task model starts with (builtin/task_model.py): does the request name the topic the
+system block forbids? Built into the weights and held, like the copy circuit (builtin/copy_circuit.py).
 
 Why: every recipe that left this decision to training learnt "a topic is named, refuse" or "never refuse" within
 the few minutes of a build, never the match, because the match needs two hops (the request's word, then the
@@ -9,12 +9,12 @@ residual coordinates that no learnt weight writes and no embedding holds but as 
 - CODE: every token carries a fixed random code in its embedding (its identity as the circuit sees it: the
   learnt embeddings move, so a match on them drifts). SEMI: only ';' carries it. ONE: every token. SINK: the
   special tokens, one of which opens every sequence. The rule ends with its topic word and ';'
-  (lab/task_corpus.py).
+  (builtin/task_corpus.py).
 - Layer 0: a code head (previous-token attention) copies the previous token's CODE, SINK and CUE into
   PREV_CODE, PREV_SINK and PREV_CUE; a self head copies this token's CODE, ONE and SEMI into CUR_CODE, CUR_ONE
   and CUR_SEMI; back-2, back-3 and the far heads copy the CODE two to five tokens back into PREV2_CODE ..
   PREV5_CODE (for the copy heads' five-token match, copy_circuit.init_code_induction). Later layers read these
-  copies, which are written at the residual's scale (model/circuit_scale.py), not the embedding entries, which
+  copies, which are written at the residual's scale (builtin/circuit_scale.py), not the embedding entries, which
   a growing residual would drown. CUE marks the token before an answer starts ("ASSISTANT" of "ASSISTANT:").
 - A flag head (layer `flag_layer`) matches CUR_CODE against every position's PREV_CODE and reads CUR_SEMI where
   it looks: the request's topic word gets a FLAG exactly when the rule's "<word>;" occurred earlier. Each
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from twospeed.model.circuit_scale import CircuitScale
-from twospeed.model.train_llama import TrainLlama
+from twospeed.builtin.circuit_scale import CircuitScale
+from twospeed.builtin.train_llama import TrainLlama
 
 CODE_DIM = 32  # coordinates of a token's fixed code (and of each copy of it)
 CODES = ("code", "prev_code", "cur_code", "prev2_code", "prev3_code", "prev4_code", "prev5_code")  # CODE_DIM each
@@ -277,7 +277,7 @@ def _built_heads(shape: FlagShape) -> tuple[tuple[int, int], ...]:
 
 
 def flag_scales(model: TrainLlama, shape: FlagShape, scale: CircuitScale) -> None:
-    """Register the circuit's weights that follow the residual's scale (model/circuit_scale.py): the code and
+    """Register the circuit's weights that follow the residual's scale (builtin/circuit_scale.py): the code and
     self heads' positional queries and keys, and every built head's output, at the residual's own RMS where it
     is read (so the reserved coordinates keep their share after each norm)."""
     hd, layers = model.cfg.head_dim, len(model.model.layers)
