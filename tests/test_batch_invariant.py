@@ -104,7 +104,7 @@ def test_the_flag_reaches_the_engine_config():
     """`serve --deterministic` (a bare boolean flag means true; `--flag false` still turns one off)."""
     import argparse
 
-    from twospeed.cli import add_engine_args, engine_kwargs
+    from twospeed.config import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -4,54 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import random
 import sys
 import time
-import typing
 
-from twospeed.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, flat_fields
-
-_ENGINE_AREAS = (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)
-_SKIP = {"model", "cache", "scheduler", "spec"}
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
-    parser.add_argument("--model", default="demo",
-                        help="checkpoint folder (HF layout), a .gguf file (or a folder holding one), or a built-in: "
-                             "demo (random weights), demo-draft (its draft), demo-task (trained on the lab's formats, "
-                             "built on first use); --tokenizer FOLDER overrides the checkpoint's tokenizer")
-    for klass in _ENGINE_AREAS:
-        hints = typing.get_type_hints(klass)
-        for flat, name in flat_fields(klass).items():
-            if name in _SKIP:
-                continue
-            hint = hints[name]
-            base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-            kind = _bool if base is bool else base if base in (int, float) else str
-            flag = {"nargs": "?", "const": True} if base is bool else {}  # a bare --deterministic means true
-            parser.add_argument(f"--{flat.replace('_', '-')}", dest=flat, type=kind, default=None,
-                                help=f"{klass.__name__}.{name}", **flag)
-    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
-                        help='SpecConfig as JSON, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {flat for k in _ENGINE_AREAS for flat, name in flat_fields(k).items() if name not in _SKIP}
-    names.add("speculative_config")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
+from twospeed.config import CacheConfig, EngineConfig, add_engine_args, engine_kwargs
 
 # -- demo ----------------------------------------------------------------------------------------------
 WORDS = ("latency throughput prefill decode token cache block schedule request stream batch memory "

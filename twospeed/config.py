@@ -1,6 +1,6 @@
 """Configuration, composed per area and passed down explicitly.
 
-Each field says its unit. `EngineConfig` is what `LLM(...)` and the CLI build;
+Each field says its unit. `EngineConfig` is what `LLM(...)` and the CLI build (`add_engine_args`: one flag per field);
 every other module receives only the part it needs. No torch at import: the
 bookkeeping (scheduler, KV cache, requests) and the planner's simulator read
 these dataclasses without loading it; `DTYPES` (names -> torch dtypes) is built
@@ -9,11 +9,13 @@ on first use.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_type_hints
 
 if TYPE_CHECKING:
     import torch
@@ -305,3 +307,44 @@ class EngineConfig:
                 parts["engine"][key] = value
         return cls(model=model, cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**parts["scheduler"]),
                    spec=SpecConfig(**parts["spec"]), **parts["engine"])
+
+
+# -- the engine's options as command-line flags (`twospeed serve`, `simulate`, `plan`, ...) -------------------------
+_ENGINE_AREAS = (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)
+_SKIP = {"model", "cache", "scheduler", "spec"}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
+    parser.add_argument("--model", default="demo",
+                        help="checkpoint folder (HF layout), a .gguf file (or a folder holding one), or a built-in: "
+                             "demo (random weights), demo-draft (its draft), demo-task (trained on the lab's formats, "
+                             "built on first use); --tokenizer FOLDER overrides the checkpoint's tokenizer")
+    for klass in _ENGINE_AREAS:
+        hints = get_type_hints(klass)
+        for flat, name in flat_fields(klass).items():
+            if name in _SKIP:
+                continue
+            hint = hints[name]
+            base = next((a for a in get_args(hint) if a is not type(None)), hint)
+            kind = _bool if base is bool else base if base in (int, float) else str
+            flag = {"nargs": "?", "const": True} if base is bool else {}  # a bare --deterministic means true
+            parser.add_argument(f"--{flat.replace('_', '-')}", dest=flat, type=kind, default=None,
+                                help=f"{klass.__name__}.{name}", **flag)
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help='SpecConfig as JSON, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the command line set, by their flat names (what `EngineConfig.from_kwargs` takes)."""
+    names = {flat for k in _ENGINE_AREAS for flat, name in flat_fields(k).items() if name not in _SKIP}
+    names.add("speculative_config")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}

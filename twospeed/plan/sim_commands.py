@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from twospeed.cli import add_engine_args, engine_kwargs
+from twospeed.config import add_engine_args, engine_kwargs
 from twospeed.model.formats import QUANTIZATIONS
 
 
