@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import needs_kernel, write_hf_checkpoint
 from test_gguf import spm_vocab, tiny_hf, write_gguf
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.model.block_kinds import KINDS, BlockKind, quantize_kernel
 from twospeed.model.block_quant import FORMATS, QBLOCK_MAX_ROWS, BlockLinear, qblock_kernel
 from twospeed.model.loader import load_model

@@ -16,7 +16,7 @@ import torch
 from conftest import ARCH_CONFIGS, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.config import EngineConfig
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.model.loader import CheckpointError, load_model
 from twospeed.model.packed_linear import WIDEN_MAX_ROWS, widen_kernel
 from twospeed.model.quant import FORMATS, Fp8Format, Int8Format, Q8Kernel, Q8Linear, q8_kernel

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_type_hints
 
+from twospeed.schema.formats import kv_format, weight_format
+
 if TYPE_CHECKING:
     import torch
 
@@ -104,8 +106,6 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
-        from twospeed.model.formats import kv_format
-
         kv_format(self.kv_cache_dtype)  # a known name (torch-free check)
 
 
@@ -250,7 +250,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token ids in and out only
     # Weight-only quantization at load: None (the checkpoint's weights); "int8" or "fp8" (a float32 scale per output
     # row; model/quant.py); GGUF's block layouts "q8_0", "q4_0", "q4_1", "q4_k" (kept packed; model/block_quant.py);
-    # "gguf": a GGUF file's tensors as stored. model/formats.py counts each one's bytes.
+    # "gguf": a GGUF file's tensors as stored. schema/formats.py counts each one's bytes.
     quantization: str | None = None
     linear_backend: str = "auto"  # "auto" (CPU bf16: C kernels, else oneDNN; AVX2: widening), "cpu", "onednn", "torch"
     attention_backend: str = "auto"  # "auto" (CPU: the in-place decode kernel if it builds), "torch", "cpu"
@@ -278,8 +278,6 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
         if self.quantization in ("none", ""):
             self.quantization = None
-        from twospeed.model.formats import weight_format
-
         weight_format(self.quantization)  # a known name (torch-free check)
 
     @classmethod

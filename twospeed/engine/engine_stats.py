@@ -40,7 +40,7 @@ class EngineMemory:
     dtype: str  # what it computes in, by name ("bfloat16"): activations, and the KV cache under kv_cache_dtype "auto"
     checkpoint_dtype: str  # how the checkpoint stores its weights (model/compute_dtype.py: what `auto` makes of it)
     quantization: str | None  # the weight format (None: unquantized)
-    weight_bytes: int  # bytes a decode step reads for the weights (model/formats.py)
+    weight_bytes: int  # bytes a decode step reads for the weights (schema/formats.py)
     kv_cache_dtype: str  # "auto" (the model's dtype), "int8", "fp8"
     kv_bytes_per_token: int  # K and V of one token, every layer, scales included
     block_size: int  # tokens per KV block

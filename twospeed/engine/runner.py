@@ -19,7 +19,7 @@ from twospeed.config import CacheConfig, ModelConfig
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.request import Request
 from twospeed.engine.scheduler import ScheduledChunk
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan
 from twospeed.model.llama import LlamaForCausalLM
 
@@ -42,7 +42,7 @@ class PromptLogits:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """K and V of one token, every layer, in the cache's format (scales included; model/formats.py)."""
+    """K and V of one token, every layer, in the cache's format (scales included; schema/formats.py)."""
     return formats.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, dtype.itemsize)
 
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 import torch
 
 from twospeed.model.cbuild import load_library
-from twospeed.model.formats import BLOCK_LAYOUTS
+from twospeed.schema.formats import BLOCK_LAYOUTS
 
 QK = 32  # weights per block (per sub-block in Q4_K)
 QK_K = 256  # weights per Q4_K super-block
@@ -61,7 +61,7 @@ class BlockKind:
     """One block layout: its sizes, and its bytes from and to float32 weights [rows, K]."""
 
     name: str  # GGUF's type name
-    block: int  # weights per block (the input width must be a multiple): model/formats.py's BLOCK_LAYOUTS
+    block: int  # weights per block (the input width must be a multiple): schema/formats.py's BLOCK_LAYOUTS
     block_bytes: int
     code: int  # csrc/linear_qblock.c's KIND_*
 

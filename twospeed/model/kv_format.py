@@ -2,7 +2,7 @@
 
 Every decode step reads the whole cache, and the pool's size in tokens is its memory over the bytes of one
 token, so one byte an element instead of two holds about twice the tokens in the same memory and halves the
-bytes each step reads from it (byte counts: model/formats.py).
+bytes each step reads from it (byte counts: schema/formats.py).
 
 A cache tensor is [num_blocks, block_size, num_kv_heads, row]: one row per (token, KV head). For int8 a row is
 head_dim values then the row's bf16 scale in its last two bytes (row = head_dim + 2), so the cache stays one
@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from twospeed.model.formats import kv_format
+from twospeed.schema.formats import kv_format
 
 
 ALIGN = 64  # bytes: a cache line, an AVX-512 vector

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.model.cbuild import load_library
 from twospeed.model.weight_format import FormatLinear, WeightFormat, copy_checked
 

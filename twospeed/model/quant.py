@@ -32,7 +32,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.model.cbuild import load_library
 from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_kernel, widened_linear
 from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat

@@ -6,7 +6,7 @@ linear's parameters carries a `weight_loader(param, tensor, shard)` (nano-vllm's
 loader only maps names: a dense linear copies the tensor (into its shard's rows when q/k/v or gate/up are
 fused), an int8 linear quantizes it on arrival and keeps the bytes and the scales. After the last tensor,
 `finish_loading()` lets a linear pack itself for its kernel. Every linear knows its `nbytes`, what a decode
-step reads for it (counted by the torch-free rules in model/formats.py).
+step reads for it (counted by the torch-free rules in schema/formats.py).
 
 Formats: the checkpoint's dtype (model/packed_linear.py: `DenseFormat`), `int8` and `fp8`
 (model/quant.py), GGUF's block layouts kept packed, `q8_0`, `q4_0`, `q4_1`, `q4_k` and a GGUF file's own
@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from twospeed.model import formats
+from twospeed.schema import formats
 
 LINEAR_BACKENDS = ("auto", "cpu", "onednn", "torch")  # "cpu" means the widening kernel where it applies
 

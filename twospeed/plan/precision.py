@@ -2,7 +2,7 @@
 
 The roofline reads every weight and the attended KV once per decode step, and the KV pool holds
 memory / bytes-per-token tokens, so these numbers set both decode's floor and a replica's capacity. The formats
-and their bytes per weight / per cached element are model/formats.py's, the tables the engine's weight formats
+and their bytes per weight / per cached element are schema/formats.py's, the tables the engine's weight formats
 and KV pool count themselves by, so a new format reaches the planner by being added there. As in the engine,
 every linear is stored in the format, the output head among them (weight-only: the matmuls still run at the
 activation dtype's FLOP/s); the embedding and norms keep the model's dtype, and a quantized head is a copy
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from twospeed.model import formats
+from twospeed.schema import formats
 from twospeed.plan.roofline import dtype_bytes, layer_linear_params, param_count
 
 if TYPE_CHECKING:

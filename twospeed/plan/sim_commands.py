@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from twospeed.config import add_engine_args, engine_kwargs
-from twospeed.model.formats import QUANTIZATIONS
+from twospeed.schema.formats import QUANTIZATIONS
 
 
 def _floats(text: str) -> tuple[float, ...]:
