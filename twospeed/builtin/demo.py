@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from twospeed.builtin.publish import publish_checkpoint, write_json
 from twospeed.config import cache_root
-from twospeed.model.checkpoint import publish_checkpoint, write_json
 
 # Bump when anything that changes the written files changes (corpus, seeds, template),
 # so an old cache folder is never served as the new checkpoint.
@@ -229,7 +229,7 @@ def demo_state_dict(config: dict = DEMO_CONFIG, seed: int = DEMO_SEED) -> dict[s
 
 
 def _write_checkpoint(path: str | Path, config: dict, weights) -> Path:
-    """Write config, tokenizer and weights() to `path` atomically (model/checkpoint.py) and return `path`. If
+    """Write config, tokenizer and weights() to `path` atomically (builtin/publish.py) and return `path`. If
     `path` already holds a checkpoint (another builder won the race) that one is kept."""
 
     def write(tmp: Path) -> None:

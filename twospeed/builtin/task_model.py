@@ -47,13 +47,13 @@ from twospeed.builtin.copy_circuit import (circuit_slices, copy_heads, copy_laye
 from twospeed.builtin.demo import BOS, DEMO_CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_bpe_tokenizer
 from twospeed.builtin.flag_circuit import (FlagShape, FlagTokens, flag_scales, flag_slices, init_flag_circuit, layout,
                                            reserved)
+from twospeed.builtin.publish import build_lock, publish_checkpoint, write_json
 from twospeed.builtin.registry import TASK_NAMES
 from twospeed.builtin.task_data import (BOS_ID, EOS_ID, IM_END_ID, PAD_ID, ROWS_MULTIPLE, Sequence,  # noqa: F401
                                         batches, collate)
 from twospeed.builtin.train_dtype import train_in_bf16
 from twospeed.builtin.train_llama import AttentionProbe, TrainLlama
 from twospeed.config import ModelConfig, cache_root
-from twospeed.model.checkpoint import build_lock, publish_checkpoint, write_json
 
 # Bump when the corpus, the tokenizer or the recipe changes what gets written: old cache folders are not reused.
 TASK_VERSION = "task-v17"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from twospeed.builtin.publish import build_lock
 from twospeed.config import cache_root
 from twospeed.model.cbuild import cpu_id
-from twospeed.model.checkpoint import build_lock
 from twospeed.model.compute_dtype import cpu_computes
 
 WIN = 0.8  # bf16 must take at most this share of float32's time (a near tie stays in float32: more exact)
