@@ -238,7 +238,7 @@ def flat_fields(klass: type) -> dict[str, str]:
 class EngineConfig:
     """Everything `LLMEngine` needs; `LLM(model, **kwargs)` fills it from keyword arguments."""
 
-    model: str  # checkpoint folder, a GGUF file (or a folder holding one), or a built-in ("demo", "demo-task")
+    model: str  # checkpoint folder, a GGUF file (or a folder holding one), or a built-in (builtin/registry.py)
     # A tokenizer folder (tokenizer.json and the files beside it) in place of the checkpoint's own: a GGUF whose
     # vocabulary kind twospeed cannot rebuild, or a checkpoint shipped without one. None: the checkpoint's.
     tokenizer: str | None = None
@@ -324,7 +324,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """--model plus one --flag per config field (--block-size, --max-num-batched-tokens, --spec-method, ...)."""
     parser.add_argument("--model", default="demo",
                         help="checkpoint folder (HF layout), a .gguf file (or a folder holding one), or a built-in: "
-                             "demo (random weights), demo-draft (its draft), demo-task (trained on the lab's formats, "
+                             "demo (random weights), demo-draft (its draft), smollm2 (SmolLM2-135M-Instruct, a real "
+                             "instruct model fetched on first use), demo-task (trained on the lab's formats, "
                              "built on first use); --tokenizer FOLDER overrides the checkpoint's tokenizer")
     for klass in _ENGINE_AREAS:
         hints = get_type_hints(klass)

@@ -61,9 +61,8 @@ class BenchConfig:
     timeout: float = 600.0  # seconds per request
     kv_block_size: int = 16  # tokens per KV block on the server, for the KV memory of cached prefixes
     late_threshold: float = 0.05  # a request sent this many seconds late counts as late
-    # seconds between the timeline's /metrics scrapes. Not faster by default: a twospeed server renders its
-    # /metrics (~2.6k lines, ~65 ms of Python) on the thread that shares the GIL with the engine, and at one scrape
-    # every 0.5 s its steps ran 2-3x slower at 3 req/s (the lab measured a server it was slowing down)
+    # seconds between the timeline's /metrics scrapes. Not faster by default: rendering ~2.6k lines of exposition
+    # takes CPU the server's engine wants on a 2-core machine, so frequent scrapes slow what the lab measures
     metrics_period: float = 2.0
     prompts: str | None = None  # every lane's prompts: "synthetic" | "task" (the task corpus); None = the lanes'
     endpoint: str | None = None  # every lane's endpoint: "completions" | "chat" (an instruct model); None = the lanes'

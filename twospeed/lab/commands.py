@@ -43,8 +43,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--kv-block-size", type=int, default=16, help="the server's KV block size (for KV memory)")
     p.add_argument("--metrics-period", type=float, default=2.0,
-                   help="seconds between the timeline's /metrics scrapes (each costs a twospeed server ~65 ms of "
-                        "the engine's Python lock; faster scraping slows what it measures)")
+                   help="seconds between the timeline's /metrics scrapes (the server renders each on a core its "
+                        "engine also wants on a small machine; faster scraping slows what it measures)")
     p.add_argument("--prompts", choices=("synthetic", "task"),
                    help="every lane's prompts: synthetic (shaped word salad) or task (the formats the built-in "
                         "demo-task model has learnt, so its gates mean something); default: each lane's own")
