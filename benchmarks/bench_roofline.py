@@ -7,7 +7,7 @@ The ~100M benchmark Llama (bench_engine.py's shape, bf16) on the default engine 
 peaks come from twospeed.plan.hardware.measure_local (a 1024^3 bf16 matmul, a 64 MiB copy; best of several),
 sampled before and after the engine runs; the better of the two is the ceiling. FLOPs and bytes come from
 twospeed.plan.roofline (the same counts `twospeed clock --model` prints, checked against FlopCounterMode
-and the checkpoint's tensors in tests/test_plan.py).
+and the checkpoint's tensors in tests/plan/test_roofline.py).
 """
 
 from __future__ import annotations

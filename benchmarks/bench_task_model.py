@@ -10,7 +10,7 @@ through `LLM.generate`: each gate's pass rate and the share of answers with the 
 sends the prompts through the chat template instead. `--time-steps K` times K steps spread over the run
 (each the min of `--repeats` tries, so other load on the machine mostly drops out) and prints the
 estimated training time: the mean step times the steps, plus the data pipeline. Nothing here is a test; the bars live in
-tests/test_task_model.py.
+tests/builtin/test_task_model.py.
 """
 
 from __future__ import annotations

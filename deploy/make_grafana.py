@@ -1,6 +1,6 @@
 """Writes deploy/grafana-dashboard.json: the panels of twospeed's /dashboard as a Grafana dashboard.
 
-Run `python deploy/make_grafana.py` after editing PANELS; tests/test_prometheus.py checks that the JSON is what
+Run `python deploy/make_grafana.py` after editing PANELS; tests/server/test_prometheus.py checks that the JSON is what
 this script writes and that every query in it returns data from a real Prometheus scraping a real server.
 Queries use the recording rules of deploy/twospeed.rules.yml where one exists. Standard library only.
 """

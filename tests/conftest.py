@@ -95,6 +95,8 @@ def task_model_path():
 def pytest_configure(config):
     config.addinivalue_line("markers", "task_model: needs the trained demo-task model (a few minutes to build on "
                                        "first use); not in the default run: `make test-task`")
+    config.addinivalue_line("markers", "e2e: drives a whole server over HTTP (a `twospeed serve` process or the app in "
+                                       "process); in the default run, `-m 'not e2e'` for the fast ones only")
     config.addinivalue_line("markers", "real_model: needs the built-in smollm2 (a ~100 MB download on first use); "
                                        "not in the default run: `make test-real`")
 

@@ -3,7 +3,7 @@
 A request that passes can never make a step raise: a bad field is an InvalidParam (a ValueError whose
 `param` names the field; HTTP 400),
 raised by `LLMEngine.add_request` before the request holds a KV block. SamplingParams checks what needs
-no model when it is built; this module adds what does. The whole table (tests/test_engine_admission.py
+no model when it is built; this module adds what does. The whole table (tests/engine/test_admission.py
 tests each row):
 
 | field | rule | checked by |

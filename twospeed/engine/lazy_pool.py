@@ -6,7 +6,7 @@ replica. The engine's BlockPool hands out never-used blocks
 first, in id order (its free queue starts as every block in order, used blocks leave its head and freed ones
 join its tail), and only then evicts the least recently freed cached block. So a pool that makes block k when
 it is first handed out, and keeps only the freed blocks in its queue, hands out and evicts exactly the same
-block ids in the same order; tests/test_sim.py holds the two side by side under random operations, and
+block ids in the same order; tests/plan/test_sim.py holds the two side by side under random operations, and
 BlockPool stays the reference.
 """
 

@@ -17,7 +17,7 @@ reference implementation's arithmetic), equal to it byte for byte; gguf has no Q
 llama.cpp's `quantize_row_q4_K_ref` (the weighted scale-and-min search, 6-bit scales relative to the
 super-block's largest). On a CPU with a C compiler it runs as csrc/linear_qblock_quant.c (a few ns a weight; its
 Q4_K sums in llama.cpp's order, so its bytes are llama.cpp's), elsewhere as torch ops here (`quantize_portable`;
-Q4_K's sums in another order: a few super-blocks in a hundred differ by a level). tests/test_block_quant.py
+Q4_K's sums in another order: a few super-blocks in a hundred differ by a level). tests/model/test_block_quant.py
 holds all of this against the gguf package (and llama.cpp's library where one is built).
 """
 

@@ -16,7 +16,7 @@ on arrival (as int8 is, model/quant.py). Formats (`quantization`):
 - every linear's input must be a multiple of 32 (a block): anything else is refused when the model is built.
 
 Three paths behind `BlockLinear.forward`, tested against each other and a float64 reference
-(tests/test_block_quant.py):
+(tests/model/test_block_quant.py):
 - up to `QBLOCK_MAX_ROWS` rows (decode), float32 or bf16 activations on a CPU with AVX2 + FMA + F16C:
   csrc/linear_qblock.c, llama.cpp's way: activations quantized to int8 per block of 32, integer dot products
   against each weight block read once per step. Bound per output: sum over blocks of max|x_b| / 254 times

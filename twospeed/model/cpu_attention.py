@@ -1,7 +1,7 @@
 """The CPU fast path of paged attention: C kernels that read the KV blocks in place.
 
 Same interface as `TorchPagedAttention`, which stays the portable path and the reference they are tested
-against (tests/test_cpu_attention.py). Two libraries, compiled on first use (model/cbuild.py):
+against (tests/model/test_cpu_attention.py). Two libraries, compiled on first use (model/cbuild.py):
 - csrc/attention_bf16.c (AVX-512 BF16): bf16 decodes and bf16 prefill chunks (even head_dim), which the
   portable path sends through torch's CPU flash attention after gathering earlier chunks' blocks (on AMX CPUs
   that path is the faster one for chunks over FLASH_ROWS tokens, and takes them);

@@ -1,5 +1,5 @@
 """Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU in bf16 (csrc/fused_bf16.c), torch
-ops elsewhere (the portable path and the reference; tests/test_fused_ops.py compares them).
+ops elsewhere (the portable path and the reference; tests/model/test_fused_ops.py compares them).
 
 The C path is taken for contiguous-row bf16 CPU tensors when the library builds (a C compiler and AVX-512
 BF16, model/cbuild.py); otherwise these functions run the same math as torch ops, rounding where HF does.

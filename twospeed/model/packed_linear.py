@@ -26,7 +26,7 @@ same `forward(x, bias)`:
   else the widening kernel for a bf16 checkpoint computed in float32, else plain. A linear with an odd input
   width (no k pairs) takes oneDNN or plain instead of the AVX-512 kernel.
 
-tests/test_packed_linear.py checks each against a float64 reference and the engine's tokens against HF's.
+tests/model/test_packed_linear.py checks each against a float64 reference and the engine's tokens against HF's.
 """
 
 from __future__ import annotations

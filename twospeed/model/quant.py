@@ -11,7 +11,7 @@ in float32, so the only roundings are float32 summation and the output's one rou
 the bf16 kernel's). A decode step reads one byte a weight instead of two.
 
 Two implementations behind `Q8Linear.forward`, tested against each other and a float64 reference
-(tests/test_quant.py):
+(tests/model/test_quant.py):
 - `Q8Kernel` (CPU, bf16 activations): csrc/linear_q8.c. Decode-sized steps widen the bytes in registers
   (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a
   panel of weights to bf16 once per call in cache and run AMX tile dot products over every row (prefill).

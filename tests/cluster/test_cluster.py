@@ -27,12 +27,14 @@ keep_ray_on_loopback()  # before ray is imported
 ray = pytest.importorskip("ray", reason="the cluster tests need Ray Serve: pip install 'twospeed[cluster]'")
 serve = pytest.importorskip("ray.serve", reason="the cluster tests need Ray Serve: pip install 'twospeed[cluster]'")
 
-from test_server import ENGINE, ServerProcess, parse_metrics, sse_events  # noqa: E402
+from server_harness import ENGINE, ServerProcess, parse_metrics, sse_events  # noqa: E402
 
 from twospeed.cluster.config import ClusterConfig  # noqa: E402
 from twospeed.cluster.deploy import WORKER_NICE, deploy, start_ray  # noqa: E402
 from twospeed.config import EngineConfig  # noqa: E402
 from twospeed.server.config import ServerConfig  # noqa: E402
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 APP, RR_APP = "twospeed", "rr"
 REPLICAS = ["engine-0", "engine-1"]

@@ -34,7 +34,7 @@ from twospeed.model.weight_format import make_weight_format
 KERNEL = needs_kernel(qblock_kernel, "linear_qblock")
 QUANT_KERNEL = needs_kernel(quantize_kernel, "linear_qblock_quant")
 GGUF_QUANTIZES = ("Q8_0", "Q4_0", "Q4_1")  # gguf's own quantizer covers these (not Q4_K)
-LIBGGML = Path(__file__).resolve().parents[1] / "benchmarks/peers/.work/llama-build/bin/libggml-base.so"
+LIBGGML = Path(__file__).resolve().parents[2] / "benchmarks/peers/.work/llama-build/bin/libggml-base.so"
 FORMAT_OF = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
 
 

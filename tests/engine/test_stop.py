@@ -1,7 +1,7 @@
 """The stop policy (engine/stop.py) case by case, and the bookkeeping and the planner importing without torch.
 
 The engine's own stop behaviour (EOS, stop strings across tokens, grammars) is checked end to end in
-tests/test_engine_api.py and tests/test_structured.py; here each rule of `check_stop` against a hand-made request,
+tests/engine/test_engine.py and tests/engine/test_structured.py; here each rule of `check_stop` against a hand-made request,
 including several new tokens at once, where the first that stops wins.
 """
 
@@ -17,7 +17,7 @@ from twospeed.engine.request import Request, RequestStatus
 from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.stop import Stop, check_stop
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_FREE = ("twospeed.engine.scheduler", "twospeed.engine.prompt_share", "twospeed.engine.kv_cache",
               "twospeed.engine.request", "twospeed.engine.cost_model", "twospeed.engine.stop", "twospeed.config",
               "twospeed.plan.sim", "twospeed.plan.capacity", "twospeed.plan.sim_results")

@@ -88,7 +88,7 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, portable: bo
     """fp32: 2e-5 + 1e-4 |ref|. bf16: the C kernels (float32 math over exact widenings) one output rounding plus
     1e-3, and where they round the softmax weights to bf16 (bf16 prefill and decode, as torch's flash attention does) one rounding
     of each weight: 2^-8 sum_j p_j |v_j| (p_rounded); the portable path rounds K and V to bf16 and runs SDPA in
-    bf16, so 2e-2 + 2e-2 |ref| (the bf16 tolerance tests/test_cpu_attention.py holds the kernels to against it)."""
+    bf16, so 2e-2 + 2e-2 |ref| (the bf16 tolerance tests/model/test_cpu_attention.py holds the kernels to against it)."""
     err = (got.double() - ref).abs()
     if dtype == torch.float32:
         return bool((err <= 2e-5 + 1e-4 * ref.abs()).all())

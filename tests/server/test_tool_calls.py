@@ -17,9 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_server import ServerProcess
+from server_harness import ServerProcess
 from twospeed.engine.json_schema import closed
 from twospeed.server.tool_calls import fold_tools, template_renders_tools, tool_preamble
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 # SmolLM2-Instruct's template: ChatML with no tool section (tools are dropped silently).
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

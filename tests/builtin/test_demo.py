@@ -18,7 +18,7 @@ from twospeed.builtin import demo
 from twospeed.builtin.demo import DEMO_CONFIG, build_demo_tokenizer, demo_checkpoint_path, write_demo_checkpoint
 from twospeed.model.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 
 

@@ -28,7 +28,7 @@ from twospeed.lab.schedule import PlanConfig, Planner
 from twospeed.lab.workload import BUILTIN, load_workload
 from twospeed.model.llama import apply_rope
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = {"agent": 64, "rag": 64, "nightly": 32, "refusal": 48, "chat": 160}
 PER_LANE = {"agent": 40, "rag": 40, "nightly": 40, "refusal": 40, "chat": 20}
 # The bars on held-out prompts, unconstrained: (lane, gate) -> least pass rate

@@ -17,7 +17,7 @@ from conftest import float32_llm, write_hf_checkpoint
 from twospeed import SamplingParams
 from twospeed.engine.request import Request
 from twospeed.engine.sampler import Sampler
-from test_sampling import expected_probs
+from test_sampler import expected_probs
 
 CPU = torch.device("cpu")
 P_MIN = 1e-3

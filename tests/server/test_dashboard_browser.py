@@ -23,10 +23,12 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from test_dashboard import histogram_quantile, hq_tolerance
-from test_server import ServerProcess, metric_sum, parse_metrics
+from server_harness import ServerProcess, metric_sum, parse_metrics
 
 from twospeed.engine.request import percentile
 from twospeed.plan.clock import ToyClock
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

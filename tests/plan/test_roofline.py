@@ -26,7 +26,7 @@ from twospeed.plan import roofline as rl
 from twospeed.plan.clock import ToyClock, parse_case
 from twospeed.plan.hardware import PROFILES, LocalMeasurement, get_profile, measure_local
 
-CLOCK_PY = Path(__file__).resolve().parents[1] / "twospeed" / "plan" / "clock.py"
+CLOCK_PY = Path(__file__).resolve().parents[2] / "twospeed" / "plan" / "clock.py"
 
 
 # -- brute-force FLOP count over the engine's real forward pass --------------------------------------

@@ -14,6 +14,8 @@ from twospeed.cli import main
 from twospeed.lab import compare, results
 from twospeed.lab.local_server import LocalServer
 
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
+
 OTHER_TOLERANCE_S = 0.5  # time in a job the lab could not attribute (prompt building), on a shared machine
 
 

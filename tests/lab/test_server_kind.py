@@ -30,7 +30,7 @@ from twospeed.lab.server_llamacpp import LLAMA_CPP
 from twospeed.lab.server_vllm import VLLM
 from twospeed.lab.workload import Lane, load_workload
 
-FIXTURES = Path(__file__).parent / "fixtures" / "peers"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "peers"
 
 
 def fixture(engine: str, name: str) -> str:
