@@ -38,7 +38,7 @@ def test_builtin_workloads_load():
         w = load_workload(name)
         assert w.lanes and w.name == name
     assert {lane.name for lane in load_workload("mixed").lanes} == {"agent", "rag", "chat", "nightly"}
-    assert load_workload("nightly").lanes[0].slo.completion_window_s == 60
+    assert load_workload("nightly").lanes[0].slo.workload_dict()["completion_window_s"] == 60
 
 
 def test_bad_workloads_fail_clearly(tmp_path):

@@ -63,11 +63,11 @@ def test_nothing_wrong_says_so():
 
 
 def test_cut_prompt_when_prefill_dominates_with_a_big_prompt():
-    slow = [req(ttft=3.0, queue=0.05, call=3.4, prompt=6000, prefill=2.9, missed="ttft") for _ in range(8)]
+    slow = [req(ttft=3.0, queue=0.05, call=3.4, prompt=6000, prefill=2.9, missed="ttft_p99") for _ in range(8)]
     keys, d = levers(run(slow + [req() for _ in range(4)], slo=SLO))
     assert keys == ["cut_prompt"] and d.dominant == "prefill" and d.missed == 8
     assert "their prompts average 6,000 tokens" in d.levers[0].evidence and "Halving the new part" in d.levers[0].evidence
-    small = [req(ttft=3.0, queue=0.05, call=3.4, prompt=200, missed="ttft") for _ in range(8)]
+    small = [req(ttft=3.0, queue=0.05, call=3.4, prompt=200, missed="ttft_p99") for _ in range(8)]
     assert "cut_prompt" not in levers(run(small, slo=SLO))[0]  # prefill slow, but the prompt is not what is big
 
 
@@ -123,25 +123,25 @@ def test_stop_on_schema_from_length_or_from_what_the_gate_needed():
 
 def test_chunk_budget_when_itl_misses_are_stalls():
     gaps = [0.02] * 30 + [0.4] * 3
-    slow = [req(gaps=gaps, out=34, interfered=5, steps=33, missed="itl") for _ in range(6)]
+    slow = [req(gaps=gaps, out=34, interfered=5, steps=33, missed="itl_p99") for _ in range(6)]
     keys, d = levers(run(slow, slo=SLO))
     assert keys == ["chunk_budget"] and d.dominant == "decode"
     ev = d.levers[0].evidence
     assert "6 of 6 ITL misses are other work in their steps: 6 are stalls" in ev
     assert "typical gap 20 ms" in ev and "gaps up to 400 ms" in ev and "6 came with at least as many interfered" in ev
     # prefills that ran whole (chunking off): no interfered step counted, still a stall, and the lever says why
-    alone = [req(gaps=[0.0] * 10 + gaps, out=44, interfered=0, steps=33, missed="itl") for _ in range(6)]
+    alone = [req(gaps=[0.0] * 10 + gaps, out=44, interfered=0, steps=33, missed="itl_p99") for _ in range(6)]
     keys, d = levers(run(alone, slo=SLO))
     assert keys == ["chunk_budget"] and "chunked prefill off?" in d.levers[0].evidence
     assert "typical gap 20 ms" in d.levers[0].evidence  # jump-forward's zero gaps left out
     # slow throughout, but every slow step carried a prefill chunk: still interference, not bandwidth
-    busy = [req(gaps=[0.3] * 33, out=34, call=10.0, interfered=33, steps=33, missed="itl") for _ in range(6)]
+    busy = [req(gaps=[0.3] * 33, out=34, call=10.0, interfered=33, steps=33, missed="itl_p99") for _ in range(6)]
     keys, d = levers(run(busy, slo=SLO))
     assert keys == ["chunk_budget"] and "0 are stalls" in d.levers[0].evidence
 
 
 def test_quantize_or_capacity_when_the_steps_themselves_are_slow():
-    slow = [req(gaps=[0.15] * 33, out=34, call=5.2, interfered=0, steps=33, missed="itl") for _ in range(6)]
+    slow = [req(gaps=[0.15] * 33, out=34, call=5.2, interfered=0, steps=33, missed="itl_p99") for _ in range(6)]
     keys, d = levers(run(slow, slo=SLO))
     assert keys == ["quantize_or_capacity"] and "6 of 6 ITL misses are slow steps with no prefill" in d.levers[0].evidence
     assert "typical gap 150 ms" in d.levers[0].evidence
@@ -150,16 +150,16 @@ def test_quantize_or_capacity_when_the_steps_themselves_are_slow():
 
 
 def test_add_capacity_when_the_queue_dominates():
-    waiting = [req(ttft=2.5, queue=2.3, call=2.8, missed="ttft") for _ in range(5)]
+    waiting = [req(ttft=2.5, queue=2.3, call=2.8, missed="ttft_p99") for _ in range(5)]
     keys, d = levers(run(waiting, slo=SLO))
     assert keys == ["add_capacity"] and d.dominant == "queue" and "p90 2,300 ms" in d.levers[0].evidence
 
 
 def test_speculation_on_decode_dominated_templated_output():
-    slow = [req(ttft=0.1, call=30.0, out=300, repeat=0.7, missed="completion_window") for _ in range(5)]
+    slow = [req(ttft=0.1, call=30.0, out=300, repeat=0.7, missed="ttlt") for _ in range(5)]
     keys, d = levers(run(slow, slo={"completion_window_s": 20}))
     assert keys == ["speculation"] and "70% of output words" in d.levers[0].evidence
-    plain = [req(ttft=0.1, call=30.0, out=300, repeat=0.1, missed="completion_window") for _ in range(5)]
+    plain = [req(ttft=0.1, call=30.0, out=300, repeat=0.1, missed="ttlt") for _ in range(5)]
     assert levers(run(plain, slo={"completion_window_s": 20}))[0] == []
 
 
@@ -172,7 +172,7 @@ def test_tools_and_gates_are_not_the_model():
 
 
 def test_levers_ranked_by_the_share_of_their_part():
-    slow = [req(ttft=3.0, queue=1.6, call=3.2, prompt=6000, prefill=1.3, missed="ttft") for _ in range(5)]
+    slow = [req(ttft=3.0, queue=1.6, call=3.2, prompt=6000, prefill=1.3, missed="ttft_p99") for _ in range(5)]
     keys, d = levers(run(slow, slo=SLO))
     assert keys == ["add_capacity", "cut_prompt"]  # queue 1.6 s > prefill 1.4 s of each miss
     assert d.levers[0].share > d.levers[1].share
@@ -186,8 +186,8 @@ def test_a_lane_without_objectives_is_ranked_by_user_visible_time():
 
 
 def test_facts_blame_each_miss_on_the_parts_its_objective_measures():
-    f = lane_facts(run([req(ttft=2.0, queue=0.5, call=3.0, missed="ttft,itl")], slo=SLO), "a")
-    assert f.time == {"queue": 0.5, "prefill": 1.5, "decode": 1.0} and f.misses_by == {"ttft": 1, "itl": 1}
+    f = lane_facts(run([req(ttft=2.0, queue=0.5, call=3.0, missed="ttft_p99,itl_p99")], slo=SLO), "a")
+    assert f.time == {"queue": 0.5, "prefill": 1.5, "decode": 1.0} and f.misses_by == {"ttft_p99": 1, "itl_p99": 1}
     assert f.visible == f.time and f.server_clock
 
 

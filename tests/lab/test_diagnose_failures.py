@@ -76,11 +76,11 @@ def test_failures_beside_met_requests_lead_the_verdict():
 
 
 def test_failures_and_timed_misses_are_counted_apart():
-    slow = [ok(ttft=2.5, call=3.0, missed="ttft") for _ in range(4)]
+    slow = [ok(ttft=2.5, call=3.0, missed="ttft_p99") for _ in range(4)]
     d = one(run(slow + [ok() for _ in range(3)] + [failed("HTTP 503: busy", status=503)] * 3))
-    assert d.missed == 7 and d.misses_by == {"error": 3, "ttft": 4}
+    assert d.missed == 7 and d.misses_by == {"error": 3, "ttft_p99": 4}
     assert d.verdict.startswith("3 of 10 requests failed (overloaded 3); 7 of 10 requests missed (TTFT ≤ 1,500 ms, "
-                                "ITL p99 ≤ 150 ms; missed: error 3, ttft 4); prefill dominates the timed misses (")
+                                "ITL p99 ≤ 150 ms; missed: error 3, ttft_p99 4); prefill dominates the timed misses (")
     assert d.split["prefill"] > 0.9  # the failures add no time to blame
 
 

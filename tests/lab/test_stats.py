@@ -6,11 +6,16 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twospeed.lab import bill, stats
 from twospeed.lab.report import spec_line
 from twospeed.lab.results import _steps, judge_slo, spec_summary
-from twospeed.lab.workload import SLO, Price
+from twospeed.lab.client import Timing
+from twospeed.lab.workload import Price
+from twospeed.schema.clock import Bill, Clock
+from twospeed.schema.slo import LaneSLO
 
 
 def test_summarize_matches_numpy():
@@ -98,14 +103,38 @@ def test_proportion_ci_and_overlap():
     assert stats.overlaps(None, [0, 1]) is None and stats.overlaps([0, 1], []) is None
 
 
-def test_judge_slo():
-    slo = SLO(ttft_ms=500, itl_ms=50)
-    assert judge_slo(slo, 0.4, 0.04, 3.0) == []
-    assert judge_slo(slo, 0.6, 0.04, 3.0) == ["ttft"]
-    assert judge_slo(slo, 0.4, 0.06, 3.0) == ["itl"]
-    assert judge_slo(slo, None, None, None) == ["ttft"]
-    window = SLO(completion_window_s=10)
-    assert judge_slo(window, 9.0, 1.0, 9.5) == [] and judge_slo(window, 0.1, 0.0, 10.5) == ["completion_window"]
+def timing(ttft: float, gaps: list[float]) -> Timing:
+    times = [ttft + sum(gaps[:i]) for i in range(len(gaps) + 1)]
+    itl = [b - a for a, b in zip(times, times[1:])]  # as the client reconstructs them
+    return Timing(ttft, times[-1], None, itl, [], times, len(times), "chunks")
+
+
+def test_judge_slo_names_misses_as_the_server_does():
+    slo = LaneSLO.from_workload("a", {"ttft_p99_ms": 500, "itl_p99_ms": 50})
+    assert judge_slo(slo, timing(0.4, [0.04] * 10)) == []
+    assert judge_slo(slo, timing(0.6, [0.04] * 10)) == ["ttft_p99"]
+    assert judge_slo(slo, timing(0.4, [0.06] * 10)) == ["itl_p99"]
+    assert judge_slo(slo, timing(0.4, [])) == []  # one token: no gap to judge
+    window = LaneSLO.from_workload("b", {"completion_window_s": 10})
+    assert judge_slo(window, timing(9.0, [0.5])) == [] and judge_slo(window, timing(0.1, [10.4])) == ["ttlt"]
+    assert window.attainment_target == 0.99 and window.workload_dict() == {
+        "ttft_p99_ms": None, "itl_p99_ms": None, "completion_window_s": 10.0, "target": 0.99}
+    with pytest.raises(ValueError, match="unknown SLO keys"):
+        LaneSLO.from_workload("c", {"ttft_ms": 500})
+
+
+@settings(max_examples=200)
+@given(ttft=st.floats(0.001, 5.0), gaps=st.lists(st.floats(0.0, 0.5), max_size=40),
+       ttft_ms=st.none() | st.floats(1, 3000), itl_ms=st.none() | st.floats(1, 300), window=st.none() | st.floats(0.1, 20))
+def test_the_lab_and_the_server_judge_the_same_times_alike(ttft, gaps, ttft_ms, itl_ms, window):
+    """One judge: the lab's verdict on what its client timed equals the server's (LaneSLO.judge) on a clock with the
+    same token times, and the planner's (the same LaneSLO) by construction."""
+    slo = LaneSLO.from_workload("a", {"ttft_p99_ms": ttft_ms, "itl_p99_ms": itl_ms, "completion_window_s": window})
+    t = timing(ttft, gaps)
+    clock = Clock(0.0, first_scheduled=0.0, prefill_done=ttft, first_token=ttft, token_times=t.token_times,
+                  finished=t.ttlt)
+    server = slo.judge(clock, Bill(), 0)
+    assert judge_slo(slo, t) == server.missed and (not server.missed) == server.met
 
 
 def test_bill_sources_and_money():

@@ -148,7 +148,9 @@ def test_decode_step_bytes():
     assert step.total == step.weights + step.kv_read + step.kv_write
     windowed = rl.decode_step_bytes(dataclasses.replace(cfg, sliding_window=8), [10, 3], 2)
     assert windowed.kv_read == (8 + 4) * per_token
-    assert rl.decode_step_bytes(cfg, [5], 2, kv_bytes_per_elem=1).kv_read == 6 * per_token // 2
+    assert rl.decode_step_bytes(cfg, [5], 2, kv_cache_dtype="fp8").kv_read == 6 * per_token // 2
+    int8 = rl.decode_step_bytes(cfg, [5], 2, kv_cache_dtype="int8").kv_read  # a bf16 scale per token and KV head
+    assert int8 == 6 * 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 2)
     with pytest.raises(ValueError):
         rl.decode_step_bytes(cfg, [], 2)
 

@@ -8,7 +8,9 @@ per-request clock (llama.cpp's `timings`: cache_n cached, prompt_n computed), el
 
 from __future__ import annotations
 
-from twospeed.lab.workload import Price
+from twospeed.schema import formats
+from twospeed.schema.price import Price
+from twospeed.schema.twospeed_object import read_twospeed
 
 FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "goodput_tokens", "forced_tokens",
           "spec_proposed", "spec_accepted")
@@ -16,10 +18,12 @@ FIELDS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens",
 
 def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: int, client_output_tokens: int,
                  good: bool, clock=None) -> dict:
-    """One request's bill (token counts) from the best source available (`clock`: a server_kind.RequestClock)."""
-    sb = (server or {}).get("bill")
+    """One request's bill (token counts) from the best source available: the server's `twospeed` object, then
+    `clock` (a server_kind.RequestClock), then OpenAI's usage, then the client's own counts."""
+    report = read_twospeed(server)
+    sb = report.bill if report else None
     if sb:
-        prompt, cached, out = sb["prompt_tokens"], sb["cached_tokens"], sb["output_tokens"]
+        prompt, cached, out = sb.prompt_tokens, sb.cached_tokens, sb.output_tokens
     elif clock is not None and clock.cached_tokens is not None and clock.computed_tokens is not None:
         cached = clock.cached_tokens
         prompt = cached + clock.computed_tokens
@@ -32,10 +36,9 @@ def request_bill(usage: dict | None, server: dict | None, client_prompt_tokens: 
     else:
         prompt, cached, out = client_prompt_tokens, 0, client_output_tokens
     # forced: output tokens a grammar forced without a decode step of their own (twospeed's jump-forward);
-    # they arrive with the token before them, at ITL 0
-    forced = (sb or {}).get("forced_tokens", 0)
-    # speculation (twospeed): draft tokens verified, and those kept as output (each beyond its step's own token)
-    proposed, accepted = (sb or {}).get("spec_proposed", 0), (sb or {}).get("spec_accepted", 0)
+    # they arrive with the token before them, at ITL 0. Speculation (twospeed): draft tokens verified, and those
+    # kept as output (each beyond its step's own token)
+    forced, proposed, accepted = (sb.forced_tokens, sb.spec_proposed, sb.spec_accepted) if sb else (0, 0, 0)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "prefilled_tokens": prompt - cached,
             "output_tokens": out, "goodput_tokens": out if good else 0, "forced_tokens": forced,
             "spec_proposed": proposed, "spec_accepted": accepted}
@@ -63,11 +66,12 @@ def kv_memory(cached_blocks: float | None, block_size: int, bytes_per_token: int
             "cached_tokens_held": tokens, "kv_bytes_per_token": bytes_per_token, "cached_kv_bytes": nbytes}
 
 
-def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int | None:
-    """K and V for every layer and KV head, from a HF config.json (None if the fields are missing)."""
+def kv_bytes_per_token(config: dict, dtype_bytes: int = 2, kv_cache_dtype: str = "auto") -> int | None:
+    """K and V for every layer and KV head, from a HF config.json (None if the fields are missing), counted as
+    schema/formats.py counts every format."""
     try:
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return 2 * config["num_hidden_layers"] * heads * head_dim * dtype_bytes
+        return formats.kv_bytes_per_token(config["num_hidden_layers"], heads, head_dim, kv_cache_dtype, dtype_bytes)
     except (KeyError, TypeError, ZeroDivisionError):
         return None

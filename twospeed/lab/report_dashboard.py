@@ -19,20 +19,9 @@ from pathlib import Path
 
 from twospeed.engine.request import Bill, Clock
 from twospeed.lab.workload import Price
-from twospeed.schema.slo import Objective, attribute
+from twospeed.schema.slo import Objective, attribute, workload_objectives
 
 BILL_KEYS = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "output_tokens", "forced_tokens", "goodput_tokens")
-
-
-def _objectives(slo: dict) -> list[Objective]:
-    out = []
-    if slo.get("ttft_p99_ms") is not None:
-        out.append(Objective("ttft", slo["ttft_p99_ms"] / 1e3, 99.0))
-    if slo.get("itl_p99_ms") is not None:
-        out.append(Objective("itl", slo["itl_p99_ms"] / 1e3, 99.0))
-    if slo.get("completion_window_s") is not None:
-        out.append(Objective("ttlt", slo["completion_window_s"]))
-    return out
 
 
 def _cause(r: dict, objectives: list[Objective]) -> str | None:
@@ -43,16 +32,16 @@ def _cause(r: dict, objectives: list[Objective]) -> str | None:
     times = [r["ttft_s"], *(r["ttft_s"] + t for t in accumulate(r["itl_s"]))]
     clock = Clock(0.0, first_scheduled=queue, prefill_done=queue + prefill, first_token=r["ttft_s"],
                   token_times=times, finished=r["ttlt_s"], interfered_steps=r["server_interfered_steps"] or 0)
-    missed = {"ttft": "ttft", "itl": "itl", "completion_window": "ttlt"}
-    names = {missed.get(m) for m in r["slo_missed"].split(",") if m}
-    worst = [o for o in objectives if o.metric in names] or objectives
+    older = {"ttft": "ttft_p99", "itl": "itl_p99", "completion_window": "ttlt"}  # results from before the names
+    names = {older.get(m, m) for m in r["slo_missed"].split(",") if m}
+    worst = [o for o in objectives if o.name in names] or objectives
     return attribute(max(worst, key=lambda o: (o.value(clock) or 0.0) / o.threshold), clock, Bill(), 0)
 
 
 def dashboard_data(doc: dict) -> dict:
     """The run as /dashboard/data would have served it at its end (times in Unix seconds)."""
     start = datetime.fromisoformat(doc["run"]["started_at"]).timestamp()
-    objectives = {name: _objectives(lane.get("slo") or {}) for name, lane in doc["lanes"].items()}
+    objectives = {name: list(workload_objectives(lane.get("slo") or {})) for name, lane in doc["lanes"].items()}
     requests, gaps, totals, slo = [], {"t": [], "lane": [], "gap": []}, {}, {}
     for r in doc["requests"]:
         end = start + r["sent_s"] + (r["call_s"] or r["ttlt_s"] or 0.0)

@@ -17,9 +17,11 @@ import numpy as np
 
 from twospeed.lab import answer_stats, errors, gates, stats
 from twospeed.lab import bill as billing
-from twospeed.lab.client import Response
+from twospeed.lab.client import Response, Timing
 from twospeed.lab.server_kind import ANY
-from twospeed.lab.workload import SLO, Workload
+from twospeed.lab.workload import Workload
+from twospeed.schema.slo import LaneSLO
+from twospeed.schema.twospeed_object import read_twospeed
 
 SCHEMA_VERSION = 2  # 2: job lanes (jobs, job and turn per request), throughput, prefix checks, diagnosis
 METRICS = ("ttft", "itl", "chunk_gap", "tpot", "ttlt", "queue", "prefill", "server_ttft")
@@ -42,16 +44,10 @@ def validate(doc: dict) -> None:
     jsonschema.validate(doc, schema())
 
 
-def judge_slo(slo: SLO, ttft: float | None, itl_p99: float | None, ttlt: float | None) -> list[str]:
-    """The objectives this request missed (empty = met). A request with no first token misses them all."""
-    missed = []
-    if slo.ttft_ms is not None and (ttft is None or ttft * 1e3 > slo.ttft_ms):
-        missed.append("ttft")
-    if slo.itl_ms is not None and itl_p99 is not None and itl_p99 * 1e3 > slo.itl_ms:
-        missed.append("itl")
-    if slo.completion_window_s is not None and (ttlt is None or ttlt > slo.completion_window_s):
-        missed.append("completion_window")
-    return missed
+def judge_slo(slo: LaneSLO, timing: Timing) -> list[str]:
+    """The objectives this request missed (empty = met), named as the server names them, judged by the lane's
+    one judge on what the client timed (its TTFT, its own token gaps, its TTLT)."""
+    return [o.name for _, o in slo.misses(lambda o: o.measure(timing.itl, ttft=timing.ttft, ttlt=timing.ttlt))]
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -88,7 +84,7 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     else:
         gate = gates.run_gate(gate_config, resp.text, p.meta) if ok else gates.GateResult(False, "no answer")
     itl_p99 = _pct(t.itl, 99) if ok else None
-    missed = judge_slo(lane.slo, t.ttft if ok else None, itl_p99, t.ttlt if ok else None) if ok else ["error"]
+    missed = judge_slo(lane.slo, t) if ok else ["error"]
     good = ok and gate.passed and not missed
     c = resp.clock if resp.clock is not None else ANY.request_clock(resp)  # a Response built without a stream
     counted = 0 if resp.usage or resp.server or c else _client_prompt_tokens(p, lane.endpoint, counter)
@@ -96,8 +92,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
     clock = {} if c is None else {"queue_ms": c.queue_ms, "route_ms": c.route_ms, "prefill_ms": c.prefill_ms,
                                   "decode_ms": c.decode_ms, "ttft_ms": c.ttft_ms, "ttlt_ms": c.ttlt_ms,
                                   "decode_steps": c.decode_steps, "interfered_steps": c.interfered_steps}
-    slo = (resp.server or {}).get("slo") or {}
-    spec = (resp.server or {}).get("spec") or {}
+    report = read_twospeed(resp.server)
+    slo, spec = (report.slo, report.spec) if report else (None, None)
     steps = _steps(clock, t) if ok else None
     info = p.turn
     return {
@@ -125,8 +121,8 @@ def record(resp: Response, workload: Workload, counter) -> dict:
         "server_prefill_s": _s(clock.get("prefill_ms")), "server_decode_s": _s(clock.get("decode_ms")),
         "server_ttft_s": _s(clock.get("ttft_ms")), "server_ttlt_s": _s(clock.get("ttlt_ms")),
         "server_decode_steps": clock.get("decode_steps"), "server_interfered_steps": clock.get("interfered_steps"),
-        "server_slo_met": slo.get("met"), "spec_verify_steps": spec.get("verify_steps"),
-        "spec_acceptance_length": spec.get("mean_acceptance_length"), "steps": steps,
+        "server_slo_met": slo.met if slo else None, "spec_verify_steps": spec.verify_steps if spec else None,
+        "spec_acceptance_length": spec.mean_acceptance_length if spec else None, "steps": steps,
         "steps_per_token": steps / b["output_tokens"] if steps and b["output_tokens"] else None,
         "finish_reason": resp.finish_reason,
         "gate_passed": gate.passed, "gate_reason": gate.reason, "slo_met": not missed, "slo_missed": ",".join(missed),
@@ -163,7 +159,7 @@ def info_gate(resp: Response, lane_gate: dict) -> dict:
     return resp.planned.meta.get("gate", lane_gate) if resp.planned.turn is not None else lane_gate
 
 
-def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s: float | None = None) -> dict:
+def lane_summary(records: list[dict], slo: LaneSLO | None, price, seed: int, wall_s: float | None = None) -> dict:
     """Statistics, gate pass rate, SLO attainment, goodput, bill and throughput over some requests."""
     ok = [r for r in records if r["error"] is None]
     values = {"ttft": [r["ttft_s"] for r in ok], "itl": [g for r in ok for g in r["itl_s"]],
@@ -181,9 +177,9 @@ def lane_summary(records: list[dict], slo: SLO | None, price, seed: int, wall_s:
         "stats": {m: stats.summarize(v, seed=seed) for m, v in values.items()},
         "gate": {"passed": passed, "rate": passed / n if n else None, "rate_ci": stats.proportion_ci(passed, n),
                  "failures": _top_reasons([r["gate_reason"] for r in records if not r["gate_passed"]])},
-        "slo": {**(slo.as_dict() if slo else {}), "met_requests": met, "attainment": attainment,
+        "slo": {**(slo.workload_dict() if slo else {}), "met_requests": met, "attainment": attainment,
                 "attainment_ci": stats.proportion_ci(met, n),
-                "met": None if slo is None or attainment is None else attainment >= slo.target},
+                "met": None if slo is None or attainment is None else attainment >= slo.attainment_target},
         "goodput": {"requests": good, "rate": good / n if n else None, "tokens": b["goodput_tokens"]},
         "bill": {**b, **billing.money(b, price)},
         "throughput": throughput(len(ok), b["output_tokens"], wall_s),

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from twospeed.schema.price import Price
+from twospeed.schema.slo import DEFAULT_LANE, LaneSLO
 
 if TYPE_CHECKING:
     from twospeed.lab.job_spec import JobSpec
@@ -90,31 +91,6 @@ class Arrival:
 
 
 @dataclass(slots=True)
-class SLO:
-    """A lane's objectives, judged per request: ttft and the request's own p99 ITL, or (for batch lanes) a
-    completion window on ttlt. `target` is the share of requests that must meet them (0.99 for a p99)."""
-
-    ttft_ms: float | None = None
-    itl_ms: float | None = None
-    completion_window_s: float | None = None
-    target: float = 0.99
-
-    @classmethod
-    def parse(cls, value: dict | None) -> "SLO":
-        value = dict(value or {})
-        known = {"ttft_p99_ms": "ttft_ms", "itl_p99_ms": "itl_ms", "completion_window_s": "completion_window_s",
-                 "target": "target"}
-        unknown = set(value) - set(known)
-        if unknown:
-            raise ValueError(f"unknown SLO keys {sorted(unknown)}; expected {sorted(known)}")
-        return cls(**{known[k]: float(v) for k, v in value.items()})
-
-    def as_dict(self) -> dict:
-        return {"ttft_p99_ms": self.ttft_ms, "itl_p99_ms": self.itl_ms,
-                "completion_window_s": self.completion_window_s, "target": self.target}
-
-
-@dataclass(slots=True)
 class Lane:
     """One kind of traffic: its share of the load, prompt shape, lengths, objectives and gate. The billed prompt
     is prefix_tokens + prompt_tokens exactly (salt, BOS and chat wrapper inside) when the tokenizer is known."""
@@ -127,7 +103,7 @@ class Lane:
     prefix_tokens: int = 0  # the lane's byte-stable shared prefix (system block + tool schemas)
     prefix_reuse: float = 1.0  # probability a request starts with the shared prefix (else a fresh one)
     max_tokens: Dist = field(default_factory=lambda: Dist("fixed", 64, 64))
-    slo: SLO = field(default_factory=SLO)
+    slo: LaneSLO = field(default_factory=lambda: LaneSLO.from_workload(DEFAULT_LANE, None))  # the lane's name once parsed
     gate: dict = field(default_factory=lambda: {"type": "none"})
     endpoint: str = "completions"  # "completions" | "chat"
     temperature: float = 0.0
@@ -229,7 +205,7 @@ def _lane(d: dict) -> Lane:
         job = parse_job(d.pop("job"), name, max_tokens)
     return Lane(name=name, kind=d.pop("kind", "chat"), arrival=Arrival(**arrival),
                 prompt_tokens=Dist.parse(d.pop("prompt_tokens", 64), f"lane {name}: prompt_tokens"),
-                max_tokens=max_tokens, slo=SLO.parse(d.pop("slo", None)), gate=d.pop("gate", None) or {"type": "none"},
+                max_tokens=max_tokens, slo=LaneSLO.from_workload(name, d.pop("slo", None)), gate=d.pop("gate", None) or {"type": "none"},
                 job=job, **d)
 
 

@@ -27,7 +27,8 @@ import numpy as np
 
 from twospeed.plan.deployment import Deployment
 from twospeed.plan.simulate import Scenario, Simulated, run
-from twospeed.plan.verdict import Goal, Verdict, judge
+from twospeed.plan.verdict import Verdict, judge
+from twospeed.schema.slo import LaneSLO
 
 
 @dataclass(slots=True)
@@ -58,7 +59,7 @@ class RateSearch:
                 "above": self.above.as_dict() if self.above else None, "tried": self.tried}
 
 
-def point(sim: Simulated, goals: dict[str, Goal]) -> Point:
+def point(sim: Simulated, goals: dict[str, LaneSLO]) -> Point:
     reqs = sim.traffic.requests
     lanes = {}
     for name in dict.fromkeys(r.lane for r in reqs):
@@ -110,7 +111,7 @@ class Question:
 
     scenario: Scenario
     deployment: Deployment
-    goals: dict[str, Goal]
+    goals: dict[str, LaneSLO]
     start_rate: float  # where the search starts (the workload's own total rate)
     tolerance: float = 0.05
     target_rate: float | None = None  # requests/s the fleet must take (replicas answer)

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from twospeed.schema import formats
+
 if TYPE_CHECKING:
     from twospeed.config import ModelConfig
 
@@ -65,9 +67,10 @@ def param_bytes(cfg: ModelConfig, bytes_per_param: int) -> int:
     return param_count(cfg) * bytes_per_param
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_bytes_per_elem: int) -> int:
-    """K and V of one position, every layer: what each cached token costs in memory and in every decode read."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_elem
+def kv_bytes_per_token(cfg: ModelConfig, bytes_per_param: int, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one position, every layer, scales included (schema/formats.py's count): what each cached token
+    costs in memory and in every decode read."""
+    return formats.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_cache_dtype, bytes_per_param)
 
 
 # -- FLOPs ------------------------------------------------------------------------------------------
@@ -143,14 +146,14 @@ def decode_weight_bytes(cfg: ModelConfig, batch: int, bytes_per_param: int) -> i
 
 
 def decode_step_bytes(cfg: ModelConfig, context_lens: Sequence[int], bytes_per_param: int,
-                      kv_bytes_per_elem: int | None = None) -> StepBytes:
+                      kv_cache_dtype: str = "auto") -> StepBytes:
     """Bytes of one decode step for a batch whose sequences hold `context_lens[i]` cached tokens each
     (each attends to those plus its new token, the last `sliding_window` only when the model has one)."""
     if not context_lens:
         raise ValueError("a decode step needs at least one sequence")
     if min(context_lens) < 0:
         raise ValueError(f"context lengths must be >= 0, got {min(context_lens)}")
-    per_token = kv_bytes_per_token(cfg, bytes_per_param if kv_bytes_per_elem is None else kv_bytes_per_elem)
+    per_token = kv_bytes_per_token(cfg, bytes_per_param, kv_cache_dtype)
     window = cfg.sliding_window
     attended = sum(c + 1 if window is None else min(c + 1, window) for c in context_lens)
     return StepBytes(weights=decode_weight_bytes(cfg, len(context_lens), bytes_per_param),
@@ -181,20 +184,19 @@ class CaseRoofline:
 
 
 def roofline_case(cfg: ModelConfig, peak_flops: float, bandwidth: float, prompt_tokens: int, output_tokens: int,
-                  batch: int = 1, bytes_per_param: int = 2, kv_bytes_per_elem: int | None = None) -> CaseRoofline:
+                  batch: int = 1, bytes_per_param: int = 2, kv_cache_dtype: str = "auto") -> CaseRoofline:
     """Prefill as compute-bound and decode as bandwidth-bound, each at its own roof."""
     if prompt_tokens < 1 or output_tokens < 1 or batch < 1:
         raise ValueError("prompt_tokens, output_tokens and batch must be >= 1")
     if peak_flops <= 0 or bandwidth <= 0:
         raise ValueError("peak FLOP/s and bandwidth must be positive")
-    kv_elem = bytes_per_param if kv_bytes_per_elem is None else kv_bytes_per_elem
     flops = prefill_flops(cfg, prompt_tokens).total
     steps = output_tokens - 1
     # Step k (1..steps) feeds the token at position prompt + k - 1: prompt + k - 1 tokens are cached.
-    step_bytes = [decode_step_bytes(cfg, [prompt_tokens + k - 1] * batch, bytes_per_param, kv_elem).total
+    step_bytes = [decode_step_bytes(cfg, [prompt_tokens + k - 1] * batch, bytes_per_param, kv_cache_dtype).total
                   for k in range(1, steps + 1)]
     total = sum(step_bytes)
-    per_token = kv_bytes_per_token(cfg, kv_elem)
+    per_token = kv_bytes_per_token(cfg, bytes_per_param, kv_cache_dtype)
     return CaseRoofline(prompt_tokens, output_tokens, batch, flops, flops / peak_flops, steps,
                         step_bytes[0] if steps else 0, step_bytes[-1] if steps else 0, total, total / bandwidth,
                         total / bandwidth / steps if steps else 0.0, per_token,

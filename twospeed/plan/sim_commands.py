@@ -189,11 +189,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def goals_for(workload, slos) -> dict:
-    """Each lane's goal: the workload's SLO, replaced by a --slo flag for that lane."""
-    from twospeed.plan.verdict import Goal
-
-    goals = {lane.name: Goal.from_slo(lane.name, lane.slo) for lane in workload.lanes}
-    goals.update({s.lane: Goal.from_lane_slo(s) for s in slos})
+    """Each lane's goal: the workload's SLO, replaced by a --slo flag for that lane (both one LaneSLO)."""
+    goals = {lane.name: lane.slo for lane in workload.lanes}
+    goals.update({s.lane: s for s in slos})
     return goals
 
 
@@ -210,7 +208,7 @@ def question(args: argparse.Namespace):
                          f"few batches shows no backlog at any rate; ask for more requests or fewer sequences")
     goals = goals_for(scenario.workload, slos)
     if not args.no_slo_steps:
-        scenario.itl_targets = {lane: g.lane_slo().itl_target for lane, g in goals.items()}
+        scenario.itl_targets = {lane: g.itl_target for lane, g in goals.items()}
     start = args.start_rate or sum(lane.arrival.rate for lane in scenario.workload.lanes)
     quick = args.quick
     formats = {}

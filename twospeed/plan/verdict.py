@@ -1,6 +1,6 @@
 """Did a simulated run meet every lane's SLO, and if not, which lane binds and which speed it lacked.
 
-A lane's goal is a set of objectives over the split clock (schema/slo.py's `Objective`: ttft, itl, ttlt, queue,
+A lane's goal is its LaneSLO (schema/slo.py): objectives over the split clock (`Objective`: ttft, itl, ttlt, queue,
 prefill, tpot, each with an optional percentile) and the share of its requests that must meet all of them (0.99
 for p99 objectives, as the lab's SLO target). Each finished request is judged on its own values, exactly as the
 lab and the server judge one (itl_p99: the request's own p99 gap); a request that failed misses. The lane is met
@@ -27,47 +27,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from twospeed.engine.request import Bill
-from twospeed.lab.workload import SLO
+from twospeed.schema.clock import Bill
 from twospeed.plan.sim import SimRequest
-from twospeed.schema.slo import LaneSLO, Objective, attribute
+from twospeed.schema.slo import LaneSLO
 
 SPEED = {"queue": "prefill (compute: prompts queue for the replica)", "prefill": "prefill (compute: the prompt itself)",
          "decode_interference": "decode (prompt chunks inside decode steps: the step budget)",
          "decode": "decode (memory bandwidth: each step's weights and KV)",
          "preemption": "KV capacity (requests preempted and recomputed)", "error": "refused (over max_model_len)",
          "backlog": "throughput (the queue grows: arrivals outpace the replica)"}
-
-
-@dataclass(frozen=True, slots=True)
-class Goal:
-    """A lane's objectives and the share of its requests that must meet them all."""
-
-    lane: str
-    objectives: tuple[Objective, ...]
-    target: float = 0.99
-
-    @classmethod
-    def from_slo(cls, lane: str, slo: SLO) -> Goal:
-        """A workload lane's SLO (ttft_p99_ms, itl_p99_ms, completion_window_s, target)."""
-        objs = []
-        if slo.ttft_ms is not None:
-            objs.append(Objective("ttft", slo.ttft_ms / 1e3, 99.0))
-        if slo.itl_ms is not None:
-            objs.append(Objective("itl", slo.itl_ms / 1e3, 99.0))
-        if slo.completion_window_s is not None:
-            objs.append(Objective("ttlt", slo.completion_window_s))
-        return cls(lane, tuple(objs), slo.target)
-
-    @classmethod
-    def from_lane_slo(cls, slo: LaneSLO) -> Goal:
-        """A `--slo LANE:ttft_p99=500ms,...` flag: the target is its tightest percentile (p99: 99%), else all."""
-        shares = [o.percentile / 100 for o in slo.objectives if o.percentile is not None]
-        return cls(slo.lane, slo.objectives, max(shares) if shares else 1.0)
-
-    def lane_slo(self) -> LaneSLO:
-        """As `twospeed serve --slo` holds it (its itl_target sizes the engine's steps)."""
-        return LaneSLO(self.lane, self.objectives)
 
 
 @dataclass(slots=True)
@@ -137,9 +105,10 @@ class Verdict:
                 "lanes": {k: v.as_dict() for k, v in self.lanes.items()}}
 
 
-def judge(requests: list[SimRequest], goals: dict[str, Goal]) -> Verdict:
-    """Each lane with a goal, over its finished requests (a job's calls count in their lane)."""
-    lanes = {name: LaneVerdict(name, 0, 0, g.target) for name, g in goals.items() if g.objectives}
+def judge(requests: list[SimRequest], goals: dict[str, LaneSLO]) -> Verdict:
+    """Each lane with objectives, over its finished requests (a job's calls count in their lane), each request by
+    the lane's own judge (LaneSLO.judge), as the server judges it."""
+    lanes = {name: LaneVerdict(name, 0, 0, g.attainment_target) for name, g in goals.items() if g.objectives}
     for req in requests:
         verdict = lanes.get(req.lane)
         if verdict is None:
@@ -148,18 +117,16 @@ def judge(requests: list[SimRequest], goals: dict[str, Goal]) -> Verdict:
         if req.error is not None or req.clock is None:
             verdict.causes["error"] += 1
             continue
-        misses = [(value / o.threshold, o) for o in goals[req.lane].objectives
-                  if (value := o.value(req.clock)) is not None and value > o.threshold]
-        if not misses:
+        judged = goals[req.lane].judge(req.clock, req.bill or Bill(), req.num_preemptions)
+        if judged.met:
             verdict.met_requests += 1
             continue
-        worst = max(misses, key=lambda m: m[0])[1]
-        verdict.causes[attribute(worst, req.clock, req.bill or Bill(), req.num_preemptions)] += 1
-        verdict.missed_objectives.update(o.name for _, o in misses)
+        verdict.causes[judged.cause] += 1
+        verdict.missed_objectives.update(judged.missed)
     return Verdict(lanes, backlog(requests, goals))
 
 
-def backlog(requests: list[SimRequest], goals: dict[str, Goal]) -> dict:
+def backlog(requests: list[SimRequest], goals: dict[str, LaneSLO]) -> dict:
     """Whether the queue grows over the run: queue-time p90 of the first and last quarter of arrivals."""
     done = sorted((r for r in requests if r.clock is not None and r.clock.queue_time is not None),
                   key=lambda r: r.arrival)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,22 +64,74 @@ class Objective:
         return self.metric if self.percentile is None else f"{self.metric}_p{self.percentile:g}"
 
     def value(self, clock: Clock) -> float | None:
-        """The request's own value for this objective, in seconds (None if it has none)."""
+        """The request's own value for this objective, in seconds (None if it has none), from the server's clock."""
+        return self.measure(clock.itl, queue=clock.queue_time, prefill=clock.prefill_time, ttft=clock.ttft,
+                            tpot=clock.tpot, ttlt=clock.ttlt)
+
+    def measure(self, itl: Sequence[float] = (), **seconds: float | None) -> float | None:
+        """The same value from what was measured, wherever (the lab's client stream has no server clock): `itl`
+        the request's token gaps, `seconds` the other metrics by name; a metric not given has no value."""
         if self.metric == "itl":
-            gaps = sorted(clock.itl)
+            gaps = sorted(itl)
             if not gaps:
                 return None
             return gaps[-1] if self.percentile is None else percentile(gaps, self.percentile)
-        return {"queue": clock.queue_time, "prefill": clock.prefill_time, "ttft": clock.ttft,
-                "tpot": clock.tpot, "ttlt": clock.ttlt}[self.metric]
+        return seconds.get(self.metric)
 
 
 @dataclass(frozen=True, slots=True)
 class LaneSLO:
+    """A lane's objectives, however they were given (`--slo`, an SLO file, a workload's `slo:`), and the one judge
+    the server, the lab and the planner all use."""
+
     lane: str
     objectives: tuple[Objective, ...] = ()
     priority: int | None = None  # scheduling priority for the lane's requests (lower runs first)
     speculate: bool | None = None  # False: the lane's requests never speculate (None: as the engine is set)
+    # the share of the lane's requests that must meet every objective; None: the tightest percentile's (p99: 0.99),
+    # every request when no objective has a percentile
+    target: float | None = None
+
+    @classmethod
+    def from_workload(cls, lane: str, value: dict | None) -> LaneSLO:
+        """A workload lane's `slo:` (ttft_p99_ms, itl_p99_ms, completion_window_s, target; target 0.99 unless
+        given), the lab's YAML vocabulary for the same objectives."""
+        value = dict(value or {})
+        unknown = set(value) - set(WORKLOAD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown SLO keys {sorted(unknown)}; expected {sorted(WORKLOAD_KEYS)}")
+        return cls(lane, workload_objectives(value), target=float(value.get("target", 0.99)))
+
+    def workload_dict(self) -> dict:
+        """The objectives in the workload's vocabulary, as results.json records a lane's SLO."""
+        out = {"ttft_p99_ms": None, "itl_p99_ms": None, "completion_window_s": None}
+        for o in self.objectives:
+            if o.metric in ("ttft", "itl") and o.percentile == 99.0:
+                out[f"{o.metric}_p99_ms"] = o.threshold * 1e3
+            elif o.metric == "ttlt" and o.percentile is None:
+                out["completion_window_s"] = o.threshold
+        return {**out, "target": self.attainment_target}
+
+    @property
+    def attainment_target(self) -> float:
+        if self.target is not None:
+            return self.target
+        shares = [o.percentile / 100 for o in self.objectives if o.percentile is not None]
+        return max(shares) if shares else 1.0
+
+    def misses(self, value: Callable[[Objective], float | None]) -> list[tuple[float, Objective]]:
+        """The objectives a request missed, each with how far (value / threshold); an objective the request has no
+        value for (tpot of a one-token answer) is skipped. `value` reads the request: `Objective.value` on the
+        server's clock, or `Objective.measure` on what a client timed."""
+        return [(v / o.threshold, o) for o in self.objectives if (v := value(o)) is not None and v > o.threshold]
+
+    def judge(self, clock: Clock, bill: Bill, num_preemptions: int) -> Verdict:
+        """One finished request against this lane's objectives, a miss attributed to its main cause."""
+        misses = self.misses(lambda o: o.value(clock))
+        if not misses:
+            return Verdict(self.lane, True)
+        worst = max(misses, key=lambda m: m[0])[1]
+        return Verdict(self.lane, False, attribute(worst, clock, bill, num_preemptions), [o.name for _, o in misses])
 
     @property
     def itl_target(self) -> float | None:
@@ -117,6 +170,22 @@ def parse_duration(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise ValueError(f"durations must be positive, got {text!r}")
     return value
+
+
+# A workload's `slo:` keys: the same objectives in milliseconds and seconds, always at p99 (the lab's vocabulary)
+WORKLOAD_KEYS = ("ttft_p99_ms", "itl_p99_ms", "completion_window_s", "target")
+
+
+def workload_objectives(value: dict) -> tuple[Objective, ...]:
+    """The objectives a workload's `slo:` (or results.json's record of one) states; other keys are ignored."""
+    out = []
+    if value.get("ttft_p99_ms") is not None:
+        out.append(Objective("ttft", float(value["ttft_p99_ms"]) / 1e3, 99.0))
+    if value.get("itl_p99_ms") is not None:
+        out.append(Objective("itl", float(value["itl_p99_ms"]) / 1e3, 99.0))
+    if value.get("completion_window_s") is not None:
+        out.append(Objective("ttlt", float(value["completion_window_s"])))
+    return tuple(out)
 
 
 def _parse_items(lane: str, items: dict[str, object]) -> LaneSLO:
@@ -210,17 +279,7 @@ class SLOTable:
 
     def judge(self, lane: str, clock: Clock, bill: Bill, num_preemptions: int) -> Verdict:
         slo = self.lanes.get(lane)
-        if slo is None or not slo.objectives:
-            return Verdict(lane, True)
-        misses = []
-        for obj in slo.objectives:
-            value = obj.value(clock)
-            if value is not None and value > obj.threshold:
-                misses.append((value / obj.threshold, obj))
-        if not misses:
-            return Verdict(lane, True)
-        worst = max(misses, key=lambda m: m[0])[1]
-        return Verdict(lane, False, attribute(worst, clock, bill, num_preemptions), [o.name for _, o in misses])
+        return Verdict(lane, True) if slo is None else slo.judge(clock, bill, num_preemptions)
 
 
 def attribute(worst: Objective, clock: Clock, bill: Bill, num_preemptions: int) -> str:

@@ -15,8 +15,9 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from twospeed.engine.request import Logprob, SpecTrace
-from twospeed.schema.clock import Clock, clock_json, merged_clock_json
+from twospeed.engine.request import Logprob
+from twospeed.schema.clock import Clock, merged_clock_json
+from twospeed.schema.twospeed_object import SequenceFacts, sequence_object, twospeed_object
 
 if TYPE_CHECKING:  # annotations only: the planner's simulator writes clocks without the engine (or torch)
     from twospeed.serving.request_group import StreamItem
@@ -31,46 +32,19 @@ def server_timing(clocks: list[Clock]) -> str:
     return ", ".join(f"{name};dur={value}" for name, value in parts)
 
 
-def spec_json(traces: list[SpecTrace | None]) -> dict | None:
-    """Speculation's trace of one sequence, or of several summed (events then per choice only); None when the
-    engine does not speculate."""
-    traces = [t for t in traces if t is not None]
-    if not traces:
-        return None
-    if len(traces) == 1:
-        return traces[0].as_dict()
-    steps, proposed, accepted = (sum(getattr(t, k) for t in traces) for k in ("verify_steps", "proposed", "accepted"))
-    width = max(len(t.proposed_per_position) for t in traces)
-    per = lambda k: [sum(getattr(t, k)[i] for t in traces if i < len(getattr(t, k))) for i in range(width)]  # noqa: E731
-    return {"method": traces[0].method, "verify_steps": steps, "proposed": proposed, "accepted": accepted,
-            "rejected": proposed - accepted, "accepted_per_position": per("accepted_per_position"),
-            "proposed_per_position": per("proposed_per_position"),
-            "mean_acceptance_length": round(1 + accepted / steps, 4) if steps else None,
-            "events": [], "events_dropped": sum(len(t.events) + t.events_dropped for t in traces)}
+def facts(item: StreamItem) -> SequenceFacts:
+    out = item.output
+    return SequenceFacts(item.index, out.clock, out.bill, out.num_preemptions, item.verdict, out.spec)
 
 
 def sequence_twospeed(item: StreamItem) -> dict:
-    out = item.output
-    return {"clock": clock_json(out.clock), "bill": out.bill.as_dict(), "num_preemptions": out.num_preemptions,
-            "slo": item.verdict.as_dict() if item.verdict else None, "spec": spec_json([out.spec])}
+    """One sequence's `twospeed` object (schema/twospeed_object.py writes it)."""
+    return sequence_object(facts(item))
 
 
 def request_twospeed(lane: str, finals: list[StreamItem]) -> dict:
-    """The twospeed object of a whole response: merged clock, summed bill, and per choice when n > 1."""
-    bills = [f.output.bill.as_dict() for f in finals]
-    bill = {k: sum(b[k] for b in bills) for k in bills[0]}
-    verdicts = [f.verdict for f in finals if f.verdict is not None]
-    slo = None
-    if verdicts:
-        missed = [v for v in verdicts if not v.met]
-        slo = {"lane": lane, "met": not missed, "cause": missed[0].cause if missed else None,
-               "missed": sorted({m for v in missed for m in v.missed})}
-    body = {"lane": lane, "clock": merged_clock_json([f.output.clock for f in finals]), "bill": bill,
-            "num_preemptions": sum(f.output.num_preemptions for f in finals), "slo": slo,
-            "spec": spec_json([f.output.spec for f in finals])}
-    if len(finals) > 1:
-        body["choices"] = [{"index": f.index, **sequence_twospeed(f)} for f in finals]
-    return body
+    """The `twospeed` object of a whole response: merged clock, summed bill, and per choice when n > 1."""
+    return twospeed_object(lane, [facts(f) for f in finals])
 
 
 def usage_json(finals: list[StreamItem], prompt_lens: list[int], n: int) -> dict:
