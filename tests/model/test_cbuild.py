@@ -102,6 +102,12 @@ def test_a_cpu_without_the_instructions_is_unsupported_and_the_portable_kernel_s
         assert cbuild.unsupported_reason(name).startswith("needs AVX-512 BF16"), cbuild.unsupported_reason(name)
     assert cbuild.build_library("paged_attention") is not None
     assert cbuild.unsupported_reason("paged_attention") is None
+    # a later process (nothing remembered in memory) reads the verdict from the cache instead of compiling again
+    monkeypatch.setattr(cbuild, "_unsupported", {})
+    calls = []
+    monkeypatch.setattr(cbuild, "_compile", lambda *a: calls.append(a))
+    assert cbuild.build_library(BF16_KERNELS[0]) is None and calls == []
+    assert cbuild.unsupported_reason(BF16_KERNELS[0]).startswith("needs AVX-512 BF16")
 
 
 @needs_compiler

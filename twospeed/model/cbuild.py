@@ -8,7 +8,8 @@ Two ways a kernel can be missing, kept apart:
 - unsupported here: no C compiler, a compiler that cannot build an OpenMP shared library for this CPU (a
   trivial probe file fails with our flags), or a CPU (or compiler) without the instructions the kernel is
   written for. A kernel states what it needs with a guard at its top that the compiler evaluates for
-  -march=native: `#error "twospeed-unsupported: needs ..."`. `build_library` returns None, logs why, and
+  -march=native: `#error "twospeed-unsupported: needs ..."`; the verdict is kept beside where the library would
+  be, so later processes skip the compile. `build_library` returns None, logs why, and
   `unsupported_reason(name)` says it (the tests skip with that reason); the caller keeps its portable path.
 - failed: the probe builds and the guard passes, yet the kernel does not compile or load. That is a bug in the
   source, not a property of the machine: `KernelBuildError` with the compiler's message (remembered per
@@ -32,10 +33,11 @@ from twospeed.config import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-# Not -ffast-math: linking with it sets flush-to-zero for the whole process (crtfastmath). Reassociation
-# alone lets the dot products vectorize; infinities stay (the online softmax starts from -inf).
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fopenmp", "-shared", "-fPIC"]
+# -Wfatal-errors: a kernel's guard stops the compile at once (else gcc goes on through the whole file). Not
+# -ffast-math: linking with it sets flush-to-zero for the whole process (crtfastmath). Reassociation alone lets
+# the dot products vectorize; infinities stay (the online softmax starts from -inf).
+FLAGS = ["-O3", "-march=native", "-Wfatal-errors", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 UNSUPPORTED_MARK = "twospeed-unsupported:"  # the text of a kernel's `#error` guard: this CPU lacks what it needs
 TIMEOUT_S = 600  # one compile; generous, so a busy machine does not turn a slow build into an error
 _PROBE = "int twospeed_probe(void) {\n  int s = 0;\n#pragma omp parallel for reduction(+:s)\n" \
@@ -115,6 +117,10 @@ def build_library(name: str) -> ctypes.CDLL | None:
     lib = cache_root() / "kernels" / f"{name}-{key}.so"
     if lib in _failed:
         raise _failed[lib]
+    verdict = lib.with_suffix(".unsupported")  # this CPU lacks what the source needs: known without a compile
+    if not lib.exists() and verdict.exists():
+        _unsupported_here(name, verdict.read_text())
+        return None
     if not lib.exists():
         problem = _toolchain_problem(cc)
         if problem is not None:
@@ -126,7 +132,10 @@ def build_library(name: str) -> ctypes.CDLL | None:
             err = _compile(cc, source, out)
             if err is not None and UNSUPPORTED_MARK in err:
                 need = err.split(UNSUPPORTED_MARK, 1)[1].splitlines()[0].strip().strip('"')
-                _unsupported_here(name, f"{need}, which {cc} -march=native does not enable on this CPU")
+                reason = f"{need}, which {cc} -march=native does not enable on this CPU"
+                (Path(tmp) / verdict.name).write_text(reason)
+                os.replace(Path(tmp) / verdict.name, verdict)
+                _unsupported_here(name, reason)
                 return None
             if err is not None:
                 _failed[lib] = KernelBuildError(f"csrc/{name}.c failed to compile with {cc} on a machine that "
