@@ -9,7 +9,8 @@
  *
  * A thread takes a tile of 48 weight rows at a time; blocks of 4 activation rows x 3 weight rows run as 12
  * register accumulators over k (each x load feeds three FMAs, each widened weight four), and every block of
- * activation rows sweeps the tile while it sits in L2, so W is read from memory once per call. Prefill-sized
+ * activation rows sweeps the tile while it sits in L2, so W is read from memory once per call; the first sweep
+ * prefetches the rows a few blocks ahead. Prefill-sized
  * steps are a tuned GEMM's job: past WIDEN_MAX_ROWS the caller widens the weight for the BLAS
  * (model/packed_linear.py).
  *
@@ -30,6 +31,9 @@
 #define NB 3    /* weight rows per register block: MB x NB accumulators + NB widened weights + one x vector = 16 */
 #define TILE 48 /* weight rows a thread takes at a time (a multiple of NB): its bf16 rows stay in L2 while every
                    block of activation rows sweeps them, so W is read from memory once per call */
+
+#define PF_BLOCKS 2 /* how far ahead the first sweep prefetches: each block reads NB rows of K at once, streams too
+                       short for the hardware prefetcher to run ahead (1-8 rows on a Zen 3: +15-25% bandwidth) */
 
 #define FMT_BF16 0
 #define FMT_INT8 1  /* one byte a weight and a float32 scale per weight row (model/quant.py's int8) */
@@ -57,12 +61,16 @@ static inline float hsum(__m256 v) {
    C <= NB; fmt too). w points at weight row 0 of the block; scale and bias at its first row, or NULL. */
 static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const void *w, int K,
                                                         const float *scale, const float *bias, float *y,
-                                                        int64_t ldy, int R, int C, int fmt) {
+                                                        int64_t ldy, int R, int C, int fmt, int pf) {
     __m256 acc[MB][NB];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
+        if (pf && (k & 31) == 0)  /* a cache line of each row PF_BLOCKS blocks ahead: the streams are short */
+            for (int c = 0; c < C; c++)
+                _mm_prefetch((const char *)w + ((int64_t)(c + PF_BLOCKS * NB) * K + k) * (fmt == FMT_BF16 ? 2 : 1),
+                             _MM_HINT_T0);
         __m256 wv[NB];
         for (int c = 0; c < C; c++) wv[c] = widen8(w, (int64_t)c * K + k, fmt);
         for (int r = 0; r < R; r++) {
@@ -79,10 +87,10 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
 }
 
 /* One instantiation per (R, C, format), so every loop above unrolls over registers. */
-#define BLOCK(R, C) block(x, ldx, w, K, scale, bias, y, ldy, R, C, FMT)
+#define BLOCK(R, C) block(x, ldx, w, K, scale, bias, y, ldy, R, C, FMT, pf)
 #define DISPATCH(name, FMT_VALUE)                                                                                 \
     static void name(const float *x, int64_t ldx, const void *w, int K, const float *scale, const float *bias,  \
-                     float *y, int64_t ldy, int R, int C) {                                                     \
+                     float *y, int64_t ldy, int R, int C, int pf) {                                             \
         enum { FMT = FMT_VALUE };                                                                               \
         switch (R * 4 + C) {                                                                                    \
             case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;                            \
@@ -110,8 +118,9 @@ static void linear(const float *x, int64_t ldx, const void *w, int fmt, const fl
                 const void *wn = (const char *)w + n * row_bytes;
                 const float *sn = scale ? scale + n : NULL, *bn = bias ? bias + n : NULL;
                 float *yn = y + (int64_t)m * ldy + n;
-                if (fmt == FMT_BF16) block_bf16(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C);
-                else block_int8(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C);
+                const int pf = m == 0 && n + NB < n_end;  /* the first sweep streams the tile from memory */
+                if (fmt == FMT_BF16) block_bf16(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C, pf);
+                else block_int8(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C, pf);
             }
         }
     }
