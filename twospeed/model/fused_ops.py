@@ -1,8 +1,9 @@
-"""Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU in bf16 (csrc/fused_bf16.c), torch
-ops elsewhere (the portable path and the reference; tests/model/test_fused_ops.py compares them).
+"""Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU in bf16 (csrc/fused_bf16.c), the
+residual add + RMSNorm in float32 (csrc/fused_f32.c: a bf16 checkpoint computed in float32), torch ops
+elsewhere (the portable path and the reference; tests/model/test_fused_ops.py compares them).
 
-The C path is taken for contiguous-row bf16 CPU tensors when the library builds (a C compiler and AVX-512
-BF16, model/cbuild.py); otherwise these functions run the same math as torch ops, rounding where HF does.
+The C path is taken for contiguous-row CPU tensors when the library builds (a C compiler, and AVX-512 BF16 for
+the bf16 one, model/cbuild.py); otherwise these functions run the same math as torch ops, rounding where HF does.
 """
 
 from __future__ import annotations
@@ -24,22 +25,27 @@ def fused_kernel() -> ctypes.CDLL | None:
                                        "silu_mul_bf16": [_P, _L, _P, _I, _I, _I]})
 
 
-def _kernel_for(x: torch.Tensor) -> ctypes.CDLL | None:
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+@lru_cache(maxsize=1)
+def fused_f32_kernel() -> ctypes.CDLL | None:
+    return load_library("fused_f32", {"add_rms_norm_f32": [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I]})
+
+
+def _kernel_for(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    if x.dtype != dtype or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         return None
-    return fused_kernel()
+    return fused_kernel() if dtype == torch.bfloat16 else fused_f32_kernel()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (or x), then HF's RMSNorm of s: normalise in float32, round, scale by the weight.
     Returns (normed, s); s is the residual stream for the next add (written into `residual` in place)."""
-    lib = _kernel_for(x) if use_kernel else None
+    lib = _kernel_for(x, x.dtype) if use_kernel and x.dtype in (torch.bfloat16, torch.float32) else None
     if lib is not None and (residual is None or residual.is_contiguous()) and weight.dtype == x.dtype:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        lib.add_rms_norm_bf16(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                              weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps,
-                              torch.get_num_threads())
+        fn = lib.add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.add_rms_norm_f32
+        fn(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+           out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return out, (x if residual is None else residual)
     s = x if residual is None else residual.add_(x)
     return weight * F.rms_norm(s.float(), weight.shape, None, eps).to(x.dtype), s
