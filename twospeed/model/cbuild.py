@@ -118,10 +118,10 @@ def build_library(name: str) -> ctypes.CDLL | None:
     if lib in _failed:
         raise _failed[lib]
     verdict = lib.with_suffix(".unsupported")  # this CPU lacks what the source needs: known without a compile
-    if not lib.exists() and verdict.exists():
-        _unsupported_here(name, verdict.read_text())
-        return None
     if not lib.exists():
+        if verdict.exists():
+            _unsupported_here(name, verdict.read_text())
+            return None
         problem = _toolchain_problem(cc)
         if problem is not None:
             _unsupported_here(name, f"{cc} cannot build an OpenMP shared library for this CPU: {problem}")

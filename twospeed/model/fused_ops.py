@@ -30,17 +30,22 @@ def fused_f32_kernel() -> ctypes.CDLL | None:
     return load_library("fused_f32", {"add_rms_norm_f32": [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I]})
 
 
-def _kernel_for(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
-    if x.dtype != dtype or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+_LIBRARIES = {torch.bfloat16: fused_kernel, torch.float32: fused_f32_kernel}
+
+
+def _kernel_for(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The fused library for x's dtype, where x is CPU rows with unit column stride and the library builds."""
+    loader = _LIBRARIES.get(x.dtype)
+    if loader is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         return None
-    return fused_kernel() if dtype == torch.bfloat16 else fused_f32_kernel()
+    return loader()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (or x), then HF's RMSNorm of s: normalise in float32, round, scale by the weight.
     Returns (normed, s); s is the residual stream for the next add (written into `residual` in place)."""
-    lib = _kernel_for(x, x.dtype) if use_kernel and x.dtype in (torch.bfloat16, torch.float32) else None
+    lib = _kernel_for(x) if use_kernel else None
     if lib is not None and (residual is None or residual.is_contiguous()) and weight.dtype == x.dtype:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         fn = lib.add_rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.add_rms_norm_f32
@@ -53,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_mul(gate_up: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, each rounded to the input dtype as F.silu(g) * u rounds."""
-    lib = _kernel_for(gate_up) if use_kernel else None
+    lib = _kernel_for(gate_up) if use_kernel and gate_up.dtype == torch.bfloat16 else None  # no float32 one
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
