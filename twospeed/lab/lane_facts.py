@@ -20,10 +20,10 @@ from twospeed.lab.job_results import call_split
 
 CALL_PARTS = ("queue", "prefill", "decode")
 JOB_PARTS = ("queue", "prefill", "decode", "tool", "gate")
-# a missed objective's name (schema/slo.py's Objective.name) -> the parts of the clock it blames; results written
-# before the lab named misses as the server does said "ttft", "itl" and "completion_window"
-BLAME = {"ttft_p99": ("queue", "prefill"), "itl_p99": ("decode",), "ttlt": CALL_PARTS,
-         "ttft": ("queue", "prefill"), "itl": ("decode",), "completion_window": CALL_PARTS}
+# a missed objective's name (schema/slo.py's Objective.name) -> the parts of the clock it blames
+BLAME = {"ttft_p99": ("queue", "prefill"), "itl_p99": ("decode",), "ttlt": CALL_PARTS}
+# what results written before the lab named misses as the server does called them
+OLDER_MISS_NAMES = {"ttft": "ttft_p99", "itl": "itl_p99", "completion_window": "ttlt"}
 STALL_FRACTION = 0.5  # an ITL miss whose median gap is under this share of the objective is a stall
 
 
@@ -103,13 +103,14 @@ def objective_text(slo: dict, window_s: float | None) -> str:
     return ", ".join(parts)
 
 
-def _missed(r: dict) -> list[str]:
-    return [m for m in (r.get("slo_missed") or "").split(",") if m and m != "error"]
+def slo_misses(r: dict) -> list[str]:
+    """The objectives a request's record missed, by the server's names (an older result's mapped), errors aside."""
+    return [OLDER_MISS_NAMES.get(m, m) for m in (r.get("slo_missed") or "").split(",") if m and m != "error"]
 
 
 def _blame(r: dict, queue_share: float | None = None) -> dict[str, float]:
     split, out = call_split(r, queue_share), {}
-    for m in _missed(r):
+    for m in slo_misses(r):
         for part in BLAME.get(m, ()):
             out[part] = split[part]
     return out
@@ -127,7 +128,7 @@ def _itl_misses(f: Facts, calls: list[dict]) -> None:
     threshold = f.itl_objective_s
     typical, longest = [], []
     for r in calls:
-        if not {"itl_p99", "itl"} & set(_missed(r)):
+        if "itl_p99" not in slo_misses(r):
             continue
         f.itl_misses += 1
         gaps = [g for g in r["itl_s"] if g > 0] or [0.0]
@@ -241,7 +242,7 @@ def lane_facts(doc: dict, lane: str) -> Facts:
             else:
                 _add(f.visible, parts)
             late = not j["window_met"]
-            slow_calls = [r for r in by_job.get(j["index"], []) if _missed(r)]
+            slow_calls = [r for r in by_job.get(j["index"], []) if slo_misses(r)]
             if failed or late or slow_calls:
                 f.missed += 1
             if late or slow_calls:
@@ -249,7 +250,7 @@ def lane_facts(doc: dict, lane: str) -> Facts:
                 if late:
                     f.misses_by["window"] = f.misses_by.get("window", 0) + 1
                 for r in slow_calls:
-                    for m in _missed(r):
+                    for m in slo_misses(r):
                         f.misses_by[m] = f.misses_by.get(m, 0) + 1
                 if late:
                     _add(missed_time, parts)
@@ -266,7 +267,7 @@ def lane_facts(doc: dict, lane: str) -> Facts:
                 f.misses_by["error"] = f.misses_by.get("error", 0) + 1
                 continue
             _add(f.visible, call_split(r, share))
-            misses = _missed(r)
+            misses = slo_misses(r)
             if misses:
                 f.missed += 1
                 timed += 1

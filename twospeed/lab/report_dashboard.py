@@ -18,6 +18,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from twospeed.engine.request import Bill, Clock
+from twospeed.lab.lane_facts import slo_misses
 from twospeed.lab.workload import Price
 from twospeed.schema.slo import Objective, attribute, workload_objectives
 
@@ -32,8 +33,7 @@ def _cause(r: dict, objectives: list[Objective]) -> str | None:
     times = [r["ttft_s"], *(r["ttft_s"] + t for t in accumulate(r["itl_s"]))]
     clock = Clock(0.0, first_scheduled=queue, prefill_done=queue + prefill, first_token=r["ttft_s"],
                   token_times=times, finished=r["ttlt_s"], interfered_steps=r["server_interfered_steps"] or 0)
-    older = {"ttft": "ttft_p99", "itl": "itl_p99", "completion_window": "ttlt"}  # results from before the names
-    names = {older.get(m, m) for m in r["slo_missed"].split(",") if m}
+    names = set(slo_misses(r))
     worst = [o for o in objectives if o.name in names] or objectives
     return attribute(max(worst, key=lambda o: (o.value(clock) or 0.0) / o.threshold), clock, Bill(), 0)
 
