@@ -49,6 +49,8 @@ CASES = [  # lens, heads, kv_heads, head_dim, block_size, window
     ([100, 31], 16, 1, 128, 32, None),  # G = 16, the kernel's limit
     ([90, 7, 129], 8, 2, 10, 16, 20),  # sliding window inside and beyond the context
     ([300], 4, 2, 256, 64, None),  # head_dim and block_size at the limits
+    ([1500], 8, 2, 64, 16, None),  # few tasks, a long context: split into chunks merged after (AVX2 float32)
+    ([1000, 600, 9], 6, 1, 40, 16, 300),  # split chunks inside a sliding window; head_dim 40: 8-column tail
 ]
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from twospeed.model.block_kinds import KINDS, BlockKind, BlockTensor
 from twospeed.model.cbuild import load_library
 from twospeed.model.packed_linear import rows_2d
-from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat
+from twospeed.model.weight_format import FormatLinear, GraphCall, ShapeMismatch, WeightFormat
 
 # Rows up to this many take the integer kernel (each weight block read once for all rows); more take dequantized
 # panels and the BLAS (the kernel's work grows with the rows, a GEMM's per-row cost falls).
@@ -244,6 +244,16 @@ class BlockLinear(FormatLinear):
         """The float32 weight [out, in] these bytes stand for (gguf's dequantization)."""
         parts = self.parts or [BlockPart(slice(0, self.out_features), self.kind, self.weight.data)]
         return torch.cat([p.kind.dequantize(p.data, self.in_features) for p in parts])
+
+    def graph_calls(self) -> list[GraphCall] | None:
+        """csrc/linear_qblock.c's graph entry, one call per part."""
+        if not self.fmt.use_kernel or not self.parts or self.parts[0].data.device.type != "cpu":
+            return None
+        run = ctypes.cast(qblock_kernel().qblock_graph_linear, ctypes.c_void_p).value
+        return [GraphCall(run, p.data.data_ptr(), None,
+                          None if self.bias32 is None else self.bias32.data_ptr() + 4 * p.rows.start,
+                          p.rows.start, p.kind.code, p.rows.stop - p.rows.start, self.in_features, QBLOCK_MAX_ROWS)
+                for p in self.parts]
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,6 @@
-"""Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU in bf16 (csrc/fused_bf16.c), the
-residual add + RMSNorm in float32 (csrc/fused_f32.c: a bf16 checkpoint computed in float32), torch ops
-elsewhere (the portable path and the reference; tests/model/test_fused_ops.py compares them).
+"""Residual add + RMSNorm and SiLU-and-multiply: one C call each on CPU, in bf16 (csrc/fused_bf16.c) and in
+float32 (csrc/fused_f32.c: a bf16 checkpoint computed in float32), torch ops elsewhere (the portable path and
+the reference; tests/model/test_fused_ops.py compares them).
 
 The C path is taken for contiguous-row CPU tensors when the library builds (a C compiler, and AVX-512 BF16 for
 the bf16 one, model/cbuild.py); otherwise these functions run the same math as torch ops, rounding where HF does.
@@ -27,7 +27,8 @@ def fused_kernel() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def fused_f32_kernel() -> ctypes.CDLL | None:
-    return load_library("fused_f32", {"add_rms_norm_f32": [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I]})
+    return load_library("fused_f32", {"add_rms_norm_f32": [_P, _L, _P, _P, _P, _L, _I, _I, ctypes.c_float, _I],
+                                      "silu_mul_f32": [_P, _L, _P, _I, _I, _I]})
 
 
 _LIBRARIES = {torch.bfloat16: fused_kernel, torch.float32: fused_f32_kernel}
@@ -58,12 +59,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_mul(gate_up: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, each rounded to the input dtype as F.silu(g) * u rounds."""
-    lib = _kernel_for(gate_up) if use_kernel and gate_up.dtype == torch.bfloat16 else None  # no float32 one
+    lib = _kernel_for(gate_up) if use_kernel else None
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
-    lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], inter,
-                      torch.get_num_threads())
+    fn = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
     return out

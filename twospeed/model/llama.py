@@ -24,6 +24,7 @@ from torch import nn
 from twospeed.config import ModelConfig
 from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cpu_attention import make_attention
+from twospeed.model.decode_graph import DecodeGraph
 from twospeed.model.fused_ops import rms_norm, silu_mul
 from twospeed.model.kv_format import KVFormat
 from twospeed.model.weight_format import FormatLinear, WeightFormat
@@ -182,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = fmt.linear(cfg.hidden_size, cfg.vocab_size, False)
         self.head_shares_embedding = cfg.tie_word_embeddings and fmt.shares_tied_embedding
         self.batch_invariant = False  # every row computed the same way whatever the step: model/batch_invariant.py
+        self.decode_graph = None  # decode-only steps as one C call where every piece has a kernel (finish_loading)
         if self.head_shares_embedding:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -189,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden] (after the final norm)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.decode_graph is not None and self.decode_graph.takes(input_ids.shape[0], meta, kv_caches):
+            return self.decode_graph.run(x, positions, meta)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta)
@@ -212,10 +216,12 @@ class LlamaForCausalLM(nn.Module):
         return [(name, None)]
 
     def finish_loading(self) -> None:
-        """After the last tensor: every linear packs itself for its kernel (model/weight_format.py)."""
+        """After the last tensor: every linear packs itself for its kernel (model/weight_format.py), then the
+        decode graph is built where every piece has a float32 C kernel (model/decode_graph.py)."""
         for m in self.modules():
             if isinstance(m, FormatLinear):
                 m.finish_loading()
+        self.decode_graph = DecodeGraph.build(self)
 
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every linear in its format (weights, scales, biases; padding not counted),

@@ -40,7 +40,7 @@ from torch import nn
 
 from twospeed.schema import formats
 from twospeed.model.cbuild import load_library
-from twospeed.model.weight_format import FormatLinear, WeightFormat, copy_checked
+from twospeed.model.weight_format import FormatLinear, GraphCall, WeightFormat, copy_checked
 
 # On AMX CPUs, rows TILES_MIN_ROWS..TILES_MAX_ROWS take the AMX kernel (csrc/linear_amx.c), fewer the AVX-512
 # kernel, more oneDNN's AMX path. The ~100M Llama's five linear shapes (one layer + lm_head), two threads on a
@@ -108,6 +108,9 @@ class PlainWeight:
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
 
+    def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
+        return None  # no float32 C kernel: the decode graph stays off
+
 
 class OneDnnPacking:
     """oneDNN's reordered bf16 layout, chosen once by a batch-size hint (`packing_rows_hint`)."""
@@ -126,6 +129,9 @@ class OneDnnPacking:
             x2 = F.pad(x2, (0, 0, 0, padded - m))  # zero rows: their outputs are dropped
         y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, bias, "none", [], "")
         return y[:m].view(*lead, y.shape[-1])
+
+    def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
+        return None  # no float32 C kernel: the decode graph stays off
 
 
 def packing_rows_hint() -> int:
@@ -165,6 +171,9 @@ class KernelPacking:
                              torch.get_num_threads())
         self.wide = OneDnnPacking(w) if has_amx() and can_use_onednn(w.device, w.dtype) else None
         self.tiles = amx_kernel() if self.wide is not None and self.in_features % 32 == 0 else None
+
+    def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
+        return None  # bf16 activations: the decode graph runs float32 ones
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.wide is None:
@@ -232,6 +241,16 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return y.view(*lead, n)
 
 
+def widen_graph_call(weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> GraphCall | None:
+    """csrc/linear_widen.c's graph entry over a bf16 weight (scale None) or int8 bytes with float32 row scales."""
+    if bias is not None and bias.dtype != torch.float32:
+        return None
+    run = ctypes.cast(widen_kernel().widen_graph_linear, ctypes.c_void_p).value
+    n, k = weight.shape
+    return GraphCall(run, weight.data_ptr(), None if scale is None else scale.data_ptr(),
+                     None if bias is None else bias.data_ptr(), 0, 0, n, k, WIDEN_MAX_ROWS)
+
+
 class WidenPacking:
     """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read from
     memory once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
@@ -247,6 +266,9 @@ class WidenPacking:
         if x.numel() > WIDEN_MAX_ROWS * self.in_features:
             return F.linear(x, self.weight.to(x.dtype), bias)
         return widened_linear(x, self.weight, None, bias)
+
+    def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
+        return widen_graph_call(self.weight, None, bias)
 
 
 PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, WidenPacking, PlainWeight)}
@@ -305,6 +327,12 @@ class PackedLinear(FormatLinear):
 
     def describe(self) -> str:
         return f"backend={self.backend}"
+
+    def graph_calls(self) -> list[GraphCall] | None:
+        if self.packed is None or self.packed.weight.device.type != "cpu":
+            return None
+        call = self.packed.graph_call(self.bias)
+        return None if call is None else [call]
 
 
 class DenseFormat(WeightFormat):

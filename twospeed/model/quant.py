@@ -34,8 +34,8 @@ from torch import nn
 
 from twospeed.schema import formats
 from twospeed.model.cbuild import load_library
-from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_kernel, widened_linear
-from twospeed.model.weight_format import FormatLinear, ShapeMismatch, WeightFormat
+from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_graph_call, widen_kernel, widened_linear
+from twospeed.model.weight_format import FormatLinear, GraphCall, ShapeMismatch, WeightFormat
 
 # Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. AMX time over
 # register-kernel time, single thread, min of 9, a shared Sapphire Rapids core (768x2304, 768x4096, 2048x768):
@@ -223,6 +223,13 @@ class Q8Linear(FormatLinear):
         if self.bias is not None:
             y += self.bias.float()
         return y.to(x.dtype)
+
+    def graph_calls(self) -> list[GraphCall] | None:
+        """csrc/linear_widen.c's graph entry over the int8 bytes, where the widened path runs."""
+        if self.kernel is not None or not self.fmt.use_widen or self.weight.device.type != "cpu":
+            return None
+        call = widen_graph_call(self.weight, self.scale, self.bias)
+        return None if call is None else [call]
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this linear multiplies by (before packing)."""

@@ -16,6 +16,7 @@ Formats: the checkpoint's dtype (model/packed_linear.py: `DenseFormat`), `int8` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,6 +43,23 @@ def copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
     """For parameters no format owns (norms, the embedding): copy, checking the shape."""
     copy_checked(param.data, tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphCall:
+    """One C kernel call computing columns [col, col + out_features) of a linear for float32 activations, as the
+    decode graph runs it (csrc/graph.h's GraphLinear; model/decode_graph.py): addresses of the kernel's graph
+    entry and of the tensors it reads, which the linear keeps alive."""
+
+    run: int  # the kernel's `int run(const GraphLinear *, x, ldx, y, ldy, M, threads)`
+    weight: int
+    scale: int | None  # a float32 scale per output row
+    bias: int | None  # float32, from this call's first column
+    col: int
+    kind: int  # the kernel's own variant (a block kind's code)
+    out_features: int
+    in_features: int
+    max_rows: int  # the most activation rows the kernel takes
 
 
 class FormatLinear(nn.Module):
@@ -94,6 +112,11 @@ class FormatLinear(nn.Module):
 
     def describe(self) -> str:
         return ""
+
+    def graph_calls(self) -> list[GraphCall] | None:
+        """The C calls computing this linear for float32 activations on CPU, for the decode graph
+        (model/decode_graph.py); None where it has no such kernel (the graph then stays off)."""
+        return None
 
 
 class WeightFormat(ABC):

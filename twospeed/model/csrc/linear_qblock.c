@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "graph.h"
 
 #define KIND_Q8_0 0
 #define KIND_Q4_0 1
@@ -295,6 +296,12 @@ int linear_qblock(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int 
     }
     free_acts(&a);
     return 0;
+}
+
+/* the decode graph's entry (graph.h): float32 activations, one part of a linear */
+int qblock_graph_linear(const GraphLinear *op, const float *x, int64_t ldx, float *y, int64_t ldy, int M,
+                        int threads) {
+    return linear_qblock(x, ldx, 0, op->w, op->kind, op->bias, y, ldy, M, op->N, op->K, threads);
 }
 
 /* ---- dequantize rows to float32 for the BLAS: gguf's arithmetic, each product and sum rounded on its own ---- */

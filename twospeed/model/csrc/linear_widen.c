@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "graph.h"
 
 #define MB 4    /* activation rows per register block */
 #define NB 3    /* weight rows per register block: MB x NB accumulators + NB widened weights + one x vector = 16 */
@@ -136,4 +137,11 @@ void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *b
 void linear_widen_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias, float *y,
                      int64_t ldy, int M, int N, int K, int threads) {
     linear(x, ldx, w, FMT_INT8, scale, bias, y, ldy, M, N, K, threads);
+}
+
+/* the decode graph's entry (graph.h): int8 where the call carries scales, else bf16 */
+int widen_graph_linear(const GraphLinear *op, const float *x, int64_t ldx, float *y, int64_t ldy, int M,
+                       int threads) {
+    linear(x, ldx, op->w, op->scale ? FMT_INT8 : FMT_BF16, op->scale, op->bias, y, ldy, M, op->N, op->K, threads);
+    return 0;
 }
