@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/bench_attention.py [--threads 1] [--repeats 7] [--heads 12] [--kv-heads 4]
           [--head-dim 64] [--contexts 0,256,1024,2048] [--chunks 4,8,16,64,256] [--decodes 1,8,16,32] [--quick]
+          [--dtype float32]   # decodes only: csrc/paged_attention.c's float32 kernel (a CPU without bf16 ones)
 
 Which path serves a shape is a property of the CPU (model/cpu_attention.py): on AMX CPUs torch's flash
 attention runs prompt chunks on AMX tiles and beats the AVX-512 BF16 kernel beyond a few rows, while decodes
@@ -63,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="4,8,16,64,256")
     ap.add_argument("--decodes", default="1,8,16,32")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32: the decode table only, through paged_decode_f32")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.chunks, args.decodes, args.repeats = "0,32", "4,16", "1,4", 2
-    if load_bf16_kernel() is None:
-        print("the AVX-512 BF16 attention kernel does not build here: nothing to compare")
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and load_bf16_kernel() is None:
+        print("the AVX-512 BF16 attention kernel does not build here: nothing to compare (--dtype float32 compares "
+              "the float32 decode kernel)")
         return 0
     torch.set_num_threads(args.threads)
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
@@ -77,20 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(max(contexts) + max(chunks + [1])) // BLOCK)
     pool = blocks_per_seq * max(decodes) + 2
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(pool + 1, BLOCK, kvh, d, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(pool + 1, BLOCK, kvh, d, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(pool + 1, BLOCK, kvh, d, generator=gen).to(dtype)
+    v_cache = torch.randn(pool + 1, BLOCK, kvh, d, generator=gen).to(dtype)
     kernel, portable = CpuPagedAttention(h, kvh, d), TorchPagedAttention(h, kvh, d)
     kernel.flash_rows = None  # the kernel for every chunk: this compares the paths, not the dispatch rule
 
-    print(f"{torch.get_num_threads()} thread(s), {h} heads / {kvh} KV heads / head_dim {d}, bf16, min of "
+    print(f"{torch.get_num_threads()} thread(s), {h} heads / {kvh} KV heads / head_dim {d}, {args.dtype}, min of "
           f"{args.repeats}; AMX dispatch sends chunks over 4 tokens to the portable path\n")
-    print("| prefill: context | chunk | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |")
-    print("|---:|---:|---:|---:|---:|")
-    for ctx0 in contexts:
+    if dtype == torch.bfloat16:
+        print("| prefill: context | chunk | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |")
+        print("|---:|---:|---:|---:|---:|")
+    for ctx0 in contexts if dtype == torch.bfloat16 else []:
         for n in chunks:
             ctx = ctx0 + n
             table = scattered(-(-ctx // BLOCK), pool, gen)
-            q = torch.randn(n, h, d, generator=gen).to(torch.bfloat16)
+            q = torch.randn(n, h, d, generator=gen).to(dtype)
             out = torch.empty_like(q)
             a = best_ms(lambda: kernel.prefill(q, None, None, k_cache, v_cache, prefill_meta(n, ctx, table), out),
                         args.repeats)
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         for ctx in [c for c in contexts if c > 0]:
             nb = -(-ctx // BLOCK)
             tables = torch.stack([scattered(nb, pool, gen) for _ in range(n)])
-            q = torch.randn(n, h, d, generator=gen).to(torch.bfloat16)
+            q = torch.randn(n, h, d, generator=gen).to(dtype)
             out = torch.empty_like(q)
             meta = AttentionMetadata(torch.zeros(n, dtype=torch.int64), n,
                                      [DecodeGroup(0, n, tables, torch.full((n,), ctx, dtype=torch.int64))])
