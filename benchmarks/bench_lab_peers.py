@@ -14,7 +14,9 @@ README.md says, and pandas in the vLLM venv (`vllm bench serve` reads its custom
 (2) Agreement: one workload in a closed loop (--concurrency, --ignore-eos) through `twospeed bench`, then the
     very same prompts, rebuilt from that run's seed and fit under a fresh salt (so neither run hits the other's
     prefix cache), with the same max_tokens and concurrency through `vllm bench serve` (custom dataset, no chat
-    template): client TTFT and ITL of both tools side by side.
+    template): client TTFT and ITL of both tools side by side. The runs go lab, vllm bench, vllm bench, lab (each
+    under its own salt) and each tool's requests are pooled: a server whose speed drifts during the four runs
+    moves both tools alike, to first order (--agreement-rounds 1: one run each).
 
 Writes OUT/lab_peers.json (every number, every command) and prints markdown tables; BENCHMARKS.md is left alone.
 """
@@ -59,6 +61,7 @@ class Config:
     rate: float = 0.5  # total requests/s, open loop
     agreement_workload: str = "rag"
     agreement_requests: int = 16
+    agreement_rounds: int = 2  # runs per tool, in ABBA order
     concurrency: int = 1  # the agreement's closed loop: one at a time, so neither tool's scheduling differs
     max_output_tokens: int = 64  # the agreement's outputs (both tools ask for exactly these many)
     seed: int = 0
@@ -110,7 +113,7 @@ def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1e3
 
 
-def agreement_dataset(doc: dict, cfg: Config, server, path: Path) -> int:
+def agreement_dataset(doc: dict, cfg: Config, server, path: Path, salt: str) -> int:
     """The lab run's prompts rebuilt (its seed, fit and closed-loop order) under a fresh salt, as vllm bench
     serve's custom dataset: one {"prompt", "output_tokens"} a line. Returns the number of requests."""
     from twospeed.lab.bench import BenchConfig, prepare
@@ -119,7 +122,7 @@ def agreement_dataset(doc: dict, cfg: Config, server, path: Path) -> int:
     run = doc["run"]
     bench = BenchConfig(url=server.url + "/v1", model=server.model, workload=cfg.agreement_workload,
                         requests=cfg.agreement_requests, concurrency=cfg.concurrency, seed=cfg.seed,
-                        tokenizer=str(model_dir(cfg.dtype)), salt=run["salt"] + "-vllm-bench",
+                        tokenizer=str(model_dir(cfg.dtype)), salt=run["salt"] + salt,
                         max_output_tokens=cfg.max_output_tokens, progress=False)
     _, planner, _, _ = prepare(bench, fit=Fit.from_dict(run.get("fit")))
     plans = list(islice(planner.closed_loop(), cfg.agreement_requests))
@@ -152,22 +155,25 @@ def vllm_bench(server, cfg: Config, dataset: Path, n: int, out: Path) -> dict:
     return {**json.loads((out / "vllm_bench.json").read_text()), "command": cmd}
 
 
-def agreement(lab_doc: dict, vb: dict) -> dict:
-    """Client TTFT and ITL of both tools (ms): mean, p50, p99, and the lab's over vllm bench's."""
-    if "error" in lab_doc or "error" in vb:
-        return {"error": lab_doc.get("error") or vb.get("error")}
-    ok = [r for r in lab_doc["requests"] if r["error"] is None]
+def agreement(lab_docs: list[dict], vbs: list[dict]) -> dict:
+    """Client TTFT and ITL of both tools (ms), each tool's runs pooled: mean, p50, p99, and the lab's over vllm
+    bench's."""
+    failed = next((d for d in [*lab_docs, *vbs] if "error" in d), None)
+    if failed is not None:
+        return {"error": failed["error"]}
+    ok = [r for doc in lab_docs for r in doc["requests"] if r["error"] is None]
     lab_ttft = [r["ttft_s"] * 1e3 for r in ok]
     lab_itl = [g * 1e3 for r in ok for g in r["chunk_gaps_s"]]  # per chunk, as vllm bench times ITL
-    vb_ttft = [t * 1e3 for t in vb.get("ttfts") or [] if t]
-    vb_itl = [g * 1e3 for gaps in vb.get("itls") or [] for g in gaps]
+    vb_ttft = [t * 1e3 for vb in vbs for t in vb.get("ttfts") or [] if t]
+    vb_itl = [g * 1e3 for vb in vbs for gaps in vb.get("itls") or [] for g in gaps]
 
     def stats(v: list[float]) -> dict:
         return {"n": len(v), "mean": float(np.mean(v)) if v else None, "p50": float(np.percentile(v, 50)) if v else None,
                 "p99": float(np.percentile(v, 99)) if v else None}
 
-    out = {"lab": {"ttft": stats(lab_ttft), "itl": stats(lab_itl), "errors": lab_doc["total"]["errors"]},
-           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": vb.get("failed", 0)}}
+    out = {"lab": {"ttft": stats(lab_ttft), "itl": stats(lab_itl),
+                   "errors": sum(doc["total"]["errors"] for doc in lab_docs)},
+           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": sum(vb.get("failed", 0) for vb in vbs)}}
     out["ratio"] = {f"{m}_{q}": (out["lab"][m][q] / out["vllm_bench"][m][q]
                                  if out["lab"][m][q] and out["vllm_bench"][m][q] else None)
                     for m in ("ttft", "itl") for q in ("mean", "p50")}
@@ -187,15 +193,22 @@ def run_engine(engine: str, cfg: Config) -> dict:
             s = result["workloads"][workload]
             said = s.get("error") or f"{s['requests']} requests, {s['errors']} errors {s['errors_by_class']}, fit {s['fit']}"
             print(f"  {workload}: {said}", flush=True)
-        out = cfg.out / engine / f"agreement-{cfg.agreement_workload}"
-        doc = lab(server, cfg, cfg.agreement_workload, out, "--requests", str(cfg.agreement_requests),
-                  "--concurrency", str(cfg.concurrency), "--ignore-eos", "--max-output-tokens", str(cfg.max_output_tokens))
-        if "error" in doc:
-            result["agreement"] = {"error": doc["error"]}
-        else:
-            dataset = out / "dataset.jsonl"
-            n = agreement_dataset(doc, cfg, server, dataset)
-            result["agreement"] = agreement(doc, vllm_bench(server, cfg, dataset, n, out))
+        labs, vbs = [], []
+        order = ("lab", "vllm-bench", "vllm-bench", "lab") if cfg.agreement_rounds > 1 else ("lab", "vllm-bench")
+        for i, tool in enumerate(order):
+            out = cfg.out / engine / f"agreement-{cfg.agreement_workload}" / f"{i}-{tool}"
+            if tool == "lab":
+                doc = lab(server, cfg, cfg.agreement_workload, out, "--requests", str(cfg.agreement_requests),
+                          "--concurrency", str(cfg.concurrency), "--ignore-eos", "--max-output-tokens",
+                          str(cfg.max_output_tokens))
+                labs.append(doc)
+            else:  # the first lab run's prompts under a salt of this run's own
+                out.mkdir(parents=True, exist_ok=True)
+                if "error" in labs[0]:
+                    break
+                n = agreement_dataset(labs[0], cfg, server, out / "dataset.jsonl", f"-vllm-bench-{i}")
+                vbs.append(vllm_bench(server, cfg, out / "dataset.jsonl", n, out))
+        result["agreement"] = agreement(labs, vbs)
         print(f"  agreement: {json.dumps(result['agreement'].get('ratio') or result['agreement'])}", flush=True)
     return result
 
@@ -219,8 +232,9 @@ def tables(results: dict, cfg: Config) -> str:
             lines.append(f"| {engine} | {workload} | {s['requests']} | {by} | {s['lab_caused_errors']} | "
                          f"{_f(s['context_length'], ',')} | {fit} | {s['queue_from']} | {s['prefill_from']} | {ttft} | "
                          f"{itl} |")
-    lines += ["", f"Agreement on `{cfg.agreement_workload}` ({cfg.agreement_requests} requests, concurrency "
-              f"{cfg.concurrency}, {cfg.max_output_tokens} output tokens each): client TTFT and ITL (ms)", "",
+    runs = "ABBA, two runs a tool, pooled" if cfg.agreement_rounds > 1 else "one run a tool"
+    lines += ["", f"Agreement on `{cfg.agreement_workload}` ({cfg.agreement_requests} requests a run, {runs}, "
+              f"concurrency {cfg.concurrency}, {cfg.max_output_tokens} output tokens each): client TTFT and ITL (ms)", "",
               "| engine | tool | TTFT mean | TTFT p50 | TTFT p99 | ITL mean | ITL p50 | ITL p99 | errors |",
               "|" + "---|" * 9]
     for engine, r in results.items():
@@ -242,22 +256,24 @@ def tables(results: dict, cfg: Config) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="vllm,llama")
-    ap.add_argument("--workloads", help=f"comma-separated (default: {','.join(WORKLOADS)})")
+    ap.add_argument("--workloads", help=f"comma-separated, or none: the agreement only (default: {','.join(WORKLOADS)})")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--rate", type=float)
     ap.add_argument("--agreement-workload")
     ap.add_argument("--agreement-requests", type=int)
+    ap.add_argument("--agreement-rounds", type=int, help="runs per tool in ABBA order (default 2; 1: one each)")
     ap.add_argument("--concurrency", type=int)
     ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cfg = Config(**(QUICK if args.quick else {}))
     cfg.engines = tuple(args.engines.split(","))
-    for name in ("requests", "rate", "agreement_workload", "agreement_requests", "concurrency", "out"):
+    for name in ("requests", "rate", "agreement_workload", "agreement_requests", "agreement_rounds", "concurrency",
+                 "out"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if args.workloads:
-        cfg.workloads = tuple(args.workloads.split(","))
+        cfg.workloads = () if args.workloads == "none" else tuple(args.workloads.split(","))
     if subprocess.run([VLLM_BENCH_SERVE[0], "-c", "import pandas"], capture_output=True).returncode != 0:
         print("vllm bench serve reads its custom dataset with pandas (vLLM's `bench` extra), which setup.sh does not "
               "install: benchmarks/peers/.work/venv-vllm/bin/pip install pandas", file=sys.stderr)

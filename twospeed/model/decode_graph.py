@@ -119,7 +119,8 @@ class DecodeGraph:
             layers.append(calls)
         return cls(model, layers, max_rows)
 
-    def takes(self, num_tokens: int, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def takes(self, num_tokens: int, meta: AttentionMetadata,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this step runs here: every row a decode, within every kernel's rows, not batch-invariant, and a
         cache whose blocks the attention kernel takes."""
         if meta.prefills or not 0 < num_tokens <= self.max_rows or self.model.batch_invariant:
