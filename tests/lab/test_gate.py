@@ -9,11 +9,13 @@ import json
 import math
 
 import pytest
+import torch
 
 from twospeed.cli import main
 from twospeed.lab import gate_verdict, probes
 from twospeed.lab.compare import load_runs
 from twospeed.lab.gate import GateConfig
+from twospeed.model.compute_dtype import auto_kv_cache_dtype
 from twospeed.builtin import task_model
 
 pytestmark = pytest.mark.e2e  # drives a whole server over HTTP
@@ -140,7 +142,10 @@ def test_the_same_configuration_ships(same_config_gate):
     assert (out / "gate.html").is_file() and (out / "baseline" / "report.html").is_file()
     run = json.loads((out / "baseline" / "results.json").read_text())
     memory = run["server"]["memory"]  # the server's own formats, from /v1/models
-    assert memory["quantization"] is None and memory["kv_cache_dtype"] == "auto"
+    # auto, or bf16 where the bf16 demo computes in float32 (no bf16 kernels) and keeps its cache in bf16
+    expected = auto_kv_cache_dtype(torch.bfloat16, torch.float32 if memory["dtype"] == "float32" else torch.bfloat16,
+                                   True)
+    assert memory["quantization"] is None and memory["kv_cache_dtype"] == expected
     assert run["server"]["kv_memory"]["kv_bytes_per_token"] == memory["kv_bytes_per_token"]  # the bill uses them
     docs = load_runs([str(out / "baseline"), str(out / "candidate")])  # `twospeed compare` takes the two runs
     assert [d["run"]["label"] for d in docs] == ["baseline", "candidate"]

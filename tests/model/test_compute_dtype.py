@@ -49,15 +49,20 @@ def test_float32_is_always_fast_on_a_cpu():
 
 def test_the_engine_resolves_auto_and_obeys_an_explicit_dtype():
     """The bf16 demo: auto follows this CPU (bf16 on AVX-512 BF16 / AMX, float32 on AVX2), bfloat16 stays bf16,
-    and the weights and the KV cache are in the dtype the engine reports."""
+    and the weights are in the dtype the engine reports; the KV cache in the checkpoint's bf16 under auto (float32
+    compute keeps a bf16 cache), in the compute dtype under an explicit one."""
     auto = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=8, max_model_len=64, cost_probe=False))
     assert auto.dtype == compute_dtype.auto_dtype(torch.bfloat16, "cpu")
     explicit = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=8, max_model_len=64, cost_probe=False,
                                                   dtype="bfloat16"))
     assert explicit.dtype == torch.bfloat16
-    for engine in (auto, explicit):
+    forced = LLMEngine(EngineConfig.from_kwargs("demo", num_gpu_blocks=8, max_model_len=64, cost_probe=False,
+                                                dtype="float32"))
+    for engine in (auto, explicit, forced):
         assert engine.model.embed_tokens.weight.dtype == engine.dtype
-        assert engine.runner.kv_cache.dtype == engine.dtype
+    assert auto.runner.kv_cache.dtype == torch.bfloat16 and explicit.runner.kv_cache.dtype == torch.bfloat16
+    assert auto.memory().kv_cache_dtype == ("bf16" if auto.dtype == torch.float32 else "auto")
+    assert forced.runner.kv_cache.dtype == torch.float32 and forced.memory().kv_cache_dtype == "auto"
 
 
 @pytest.fixture(scope="module")

@@ -43,22 +43,24 @@ def python_path(llm: LLM) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("arch,quantization,overrides", [
-    ("llama", None, {}),  # head_dim 12, llama3 rope scaling, widened bf16
-    ("mistral", None, dict(sliding_window=64)),  # a window shorter than the longest context
-    ("qwen2", None, {}),  # q/k/v biases
-    ("llama", "int8", {}),
-    ("llama", "q4_0", WIDE),
-    ("llama", "q4_1", WIDE),
-    ("mistral", "q8_0", WIDE),
+@pytest.mark.parametrize("arch,opts,overrides", [
+    ("llama", {}, {}),  # head_dim 12, llama3 rope scaling, widened bf16
+    ("mistral", {}, dict(sliding_window=64)),  # a window shorter than the longest context
+    ("qwen2", {}, {}),  # q/k/v biases
+    ("llama", dict(quantization="int8"), {}),
+    ("llama", dict(quantization="q4_0"), WIDE),
+    ("llama", dict(quantization="q4_1"), WIDE),
+    ("mistral", dict(quantization="q8_0"), WIDE),
+    ("llama", dict(kv_cache_dtype="bf16"), {}),  # a bf16 cache: written rounded, read widened
+    ("mistral", dict(quantization="q4_0", kv_cache_dtype="bf16"), dict(sliding_window=64, **WIDE)),
 ])
-def test_the_graph_decodes_as_the_python_path_bit_for_bit(tmp_path, monkeypatch, arch, quantization, overrides):
+def test_the_graph_decodes_as_the_python_path_bit_for_bit(tmp_path, monkeypatch, arch, opts, overrides):
     write_hf_checkpoint(tmp_path, arch, torch.bfloat16, **overrides)
-    llm = engine(tmp_path, quantization=quantization)
+    llm = engine(tmp_path, **opts)
     assert llm.engine.model.decode_graph is not None
     graph, steps = decode(llm, monkeypatch)
     assert steps >= 23  # every decode step after the prefills took the graph
-    assert graph == decode(python_path(engine(tmp_path, quantization=quantization)), monkeypatch)[0]
+    assert graph == decode(python_path(engine(tmp_path, **opts)), monkeypatch)[0]
 
 
 def test_the_graph_is_seen_to_differ_when_a_kernel_differs(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""Quantized KV cache (int8 with a bf16 scale per token and KV head, fp8 e4m3): the encoding, every attention path
-reading it against a float64 attention over the dequantized cache, a planted wrong scale caught, and the pool
-holding about twice the tokens in the same memory.
+"""Quantized KV cache (int8 with a bf16 scale per token and KV head, fp8 e4m3, and bf16 under a float32 model): the
+encoding, every attention path reading it against a float64 attention over the dequantized cache, a planted wrong
+scale caught, and the pool holding about twice the tokens in the same memory.
 
 Bound: attention output within 2e-5 + 1e-4 |ref| (fp32 queries) or one bf16 rounding plus 1e-3 (bf16 queries)
 of the float64 attention over the values the cache holds: the kernels compute in float32 over exact widenings.
@@ -18,7 +18,7 @@ from twospeed.engine.runner import kv_bytes_per_token, num_blocks_for
 from twospeed.model.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, TorchPagedAttention
 from twospeed.model.attention import causal_mask, decode_mask
 from twospeed.model.cpu_attention import CpuPagedAttention, load_bf16_kernel, load_kernel
-from twospeed.model.kv_format import Fp8KV, Int8KV, KVFormat, make_kv_format
+from twospeed.model.kv_format import Bf16KV, Fp8KV, Int8KV, KVFormat, make_kv_format
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the kernel cannot be built")
 FORMATS = [Int8KV(), Fp8KV()]
@@ -115,13 +115,10 @@ CASES = [  # lens, heads, kv_heads, head_dim, block_size, window
 ]
 
 
-@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: k.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_kernel)])
-def test_decode_over_a_quantized_cache_matches_the_dequantized_reference(kv, dtype, case, backend):
-    lens, heads, kv_heads, head_dim, block_size, window = CASES[case]
-    k_cache, v_cache, tables = paged(lens, kv_heads, head_dim, block_size, kv, dtype, seed=case)
+def check_decode(kv: KVFormat, dtype: torch.dtype, spec: tuple, backend: str, seed: int) -> None:
+    """Decode queries over a paged cache in `kv`, each sequence's output against the float64 reference."""
+    lens, heads, kv_heads, head_dim, block_size, window = spec
+    k_cache, v_cache, tables = paged(lens, kv_heads, head_dim, block_size, kv, dtype, seed=seed)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(9)).to(dtype)
     attn = (CpuPagedAttention(heads, kv_heads, head_dim, window, kv) if backend == "cpu"
             else TorchPagedAttention(heads, kv_heads, head_dim, kv))
@@ -133,6 +130,35 @@ def test_decode_over_a_quantized_cache_matches_the_dequantized_reference(kv, dty
         pv = reference(q[i:i + 1], k_cache, v_cache, kv, table, n, [n - 1], window, weights_of_abs=True)
         assert close(out[i:i + 1], ref, dtype, backend == "torch", p_rounded=pv if dtype == torch.bfloat16 else None), \
             (i, (out[i:i + 1].double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: k.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_kernel)])
+def test_decode_over_a_quantized_cache_matches_the_dequantized_reference(kv, dtype, case, backend):
+    check_decode(kv, dtype, CASES[case], backend, seed=case)
+
+
+BF16_CASES = [*CASES, ([1500, 3], 9, 3, 64, 16, None),  # one long context: split across threads on AVX2
+              ([1500], 8, 2, 64, 16, 700)]
+
+
+@pytest.mark.parametrize("case", range(len(BF16_CASES)))
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_kernel)])
+def test_decode_over_a_bf16_cache_under_float32_queries(case, backend):
+    """A float32 model's bf16 cache (each value its float32 rounded to nearest even): the float32 decode reads
+    those values within the float32 bound."""
+    check_decode(Bf16KV(), torch.float32, BF16_CASES[case], backend, seed=case)
+
+
+def test_bf16_format_rounds_as_torch_and_is_plain_under_a_bf16_model():
+    x = torch.randn(6, 2, 16) * 7
+    assert torch.equal(Bf16KV().encode(x), x.to(torch.bfloat16))
+    assert type(make_kv_format("bf16", torch.float32)) is Bf16KV
+    assert type(make_kv_format("bf16", torch.bfloat16)) is KVFormat  # a bf16 model's "auto"
+    cfg = ModelConfig("LlamaForCausalLM", 32000, 768, 2048, 12, 12, 4, 64)
+    assert kv_bytes_per_token(cfg, torch.float32, "bf16") * 2 == kv_bytes_per_token(cfg, torch.float32, "auto")
 
 
 @needs_kernel
@@ -202,7 +228,7 @@ def test_a_quantized_pool_holds_about_twice_the_tokens():
     assert make_kv_format("auto").row_width(64) == 64 and make_kv_format("int8").row_width(64) == 66
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
 def test_engine_over_a_quantized_cache_agrees_between_attention_paths(tmp_path, kv):
     """fp32 model, a pool small enough to preempt: greedy tokens equal between the C decode kernel and the
     portable path over the same quantized cache, whatever the batch and chunking."""
@@ -220,6 +246,8 @@ def test_engine_over_a_quantized_cache_agrees_between_attention_paths(tmp_path, 
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
         assert llm.engine.scheduler.num_preemptions > 0  # 10 blocks of 8 cannot hold all four
         assert llm.engine.runner.kv_cache.shape[-1] == (14 if kv == "int8" else 12)
+        assert llm.engine.runner.kv_cache.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
+                                                    "bf16": torch.bfloat16}[kv]
     assert all(r == runs[0] for r in runs)
 
 

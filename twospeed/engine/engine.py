@@ -54,7 +54,7 @@ from twospeed.engine.spec import make_speculator
 from twospeed.engine.stop import Stop, check_stop
 from twospeed.model.batch_invariant import make_batch_invariant
 from twospeed.builtin.registry import resolve_model_path
-from twospeed.model.compute_dtype import auto_dtype
+from twospeed.model.compute_dtype import auto_dtype, auto_kv_cache_dtype
 from twospeed.model.loader import load_model, load_model_config
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,12 @@ class LLMEngine:
                             "float32)", computed)
             else:
                 log.info("this CPU has no fast %s kernels: computing in %s (set dtype to override)", stored, computed)
+        if config.cache.kv_cache_dtype == "auto":
+            kv = auto_kv_cache_dtype(self.model_config.dtype, self.dtype, config.dtype == "auto")
+            if kv != "auto":
+                log.info("KV cache in %s, the checkpoint's dtype (kv_cache_dtype auto)", kv)
+                config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv))
+                self.config = config
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         # Fewer threads while other processes take cores (engine/threads.py); the count set here is the ceiling.

@@ -41,7 +41,7 @@ class EngineMemory:
     checkpoint_dtype: str  # how the checkpoint stores its weights (model/compute_dtype.py: what `auto` makes of it)
     quantization: str | None  # the weight format (None: unquantized)
     weight_bytes: int  # bytes a decode step reads for the weights (schema/formats.py)
-    kv_cache_dtype: str  # "auto" (the model's dtype), "int8", "fp8"
+    kv_cache_dtype: str  # "auto" (the model's dtype), "bf16", "int8", "fp8": what the cache holds, auto resolved
     kv_bytes_per_token: int  # K and V of one token, every layer, scales included
     block_size: int  # tokens per KV block
     block_bytes: int  # bytes of one KV block (block_size * kv_bytes_per_token)

@@ -10,7 +10,7 @@ against (tests/model/test_cpu_attention.py). Two libraries, compiled on first us
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
 `load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
 model/kv_format.py) is read in place by every kernel (attention_bf16.c takes the format as an argument,
-paged_attention.c has *_i8 / *_f8 decodes) and written by the fused RoPE + cache write as the portable
+paged_attention.c has *_i8 / *_f8 decodes, and *_f32_b16 for a float32 model's bf16 cache) and written by the fused RoPE + cache write as the portable
 path's encoder writes it.
 """
 
@@ -38,7 +38,7 @@ def load_kernel() -> ctypes.CDLL | None:
     """csrc/paged_attention.c (built once per source, compiler and CPU; model/cbuild.py), or None."""
     decode = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
     kernel = load_library("paged_attention", {f"paged_decode_{t}{kv}": decode for t in ("bf16", "f32")
-                                              for kv in ("", "_i8", "_f8")})
+                                              for kv in ("", "_i8", "_f8")} | {"paged_decode_f32_b16": decode})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(3)]
@@ -107,7 +107,7 @@ class CpuPagedAttention(TorchPagedAttention):
         takes the cache format; paged_attention.c has a function per format)."""
         if dtype == torch.bfloat16 and self.bf16_kernel is not None:
             return self.bf16_kernel.decode_attention_bf16, (self.kv.code,)
-        suffix = {0: "", 1: "_i8", 2: "_f8"}[self.kv.code]
+        suffix = {0: "", 1: "_i8", 2: "_f8", 3: "_b16"}[self.kv.code]  # _b16: float32 queries only (Bf16KV)
         return getattr(self.kernel, f"paged_decode_{'bf16' if dtype == torch.bfloat16 else 'f32'}{suffix}"), ()
 
     def fused_rope_ok(self, qkv: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ its KV cache) and runs a step as one call: the same kernels in the same order as
 the hidden states are the Python path's bit for bit (tests/model/test_decode_graph.py).
 
 It runs where all of these hold, else `build` returns None and the model keeps its Python path: CPU, float32
-activations (a bf16 checkpoint computed in float32, or a quantized one), a float32 KV cache read by
+activations (a bf16 checkpoint computed in float32, or a quantized one), a float32 or bf16 KV cache read by
 csrc/paged_attention.c, csrc/fused_f32.c built, no q/k norms, and every layer's linear in a format with a
 float32 C kernel (bf16 widened, int8 widened, the GGUF block formats). A step takes it when every row is a
 decode (no prefill chunk), the rows fit every kernel, and the model is not batch-invariant.
@@ -24,6 +24,7 @@ from twospeed.model.attention import AttentionMetadata
 from twospeed.model.cbuild import load_library
 from twospeed.model.cpu_attention import CpuPagedAttention, load_kernel
 from twospeed.model.fused_ops import fused_f32_kernel
+from twospeed.model.kv_format import Bf16KV
 from twospeed.model.weight_format import GraphCall
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -45,7 +46,7 @@ class _Layer(ctypes.Structure):
 
 class _Graph(ctypes.Structure):
     _fields_ = [(name, _L) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter",
-                                        "block_size", "window")] + [
+                                        "block_size", "window", "kv_bf16")] + [
         ("eps", _F), ("scale", _F), ("layer", ctypes.POINTER(_Layer)), ("final_norm", _P), ("cos", _P),
         ("sin_signed", _P), ("norm", _P), ("silu_mul", _P), ("attend", _P)]
 
@@ -87,10 +88,12 @@ class DecodeGraph:
             out.input_norm = mod.input_layernorm.weight.data_ptr()
             out.post_norm = mod.post_attention_layernorm.weight.data_ptr()
             out.qkv, out.o, out.gate_up, out.down = lin["qkv"], lin["o"], lin["gate_up"], lin["down"]
-        attend = load_kernel().paged_decode_f32
+        bf16_cache = model.kv_format.code == Bf16KV.code
+        attend = load_kernel().paged_decode_f32_b16 if bf16_cache else load_kernel().paged_decode_f32
         self.graph = _Graph(
             layers=len(layers), hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, inter=cfg.intermediate_size, block_size=0, window=first.attn.window,
+            kv_bf16=int(bf16_cache),
             eps=cfg.rms_norm_eps, scale=first.attn.scale, layer=self._layers, final_norm=model.norm.weight.data_ptr(),
             cos=model.rotary.cos.data_ptr(), sin_signed=model.rotary.sin_signed.data_ptr(),
             norm=_address(fused_f32_kernel().add_rms_norm_f32), silu_mul=_address(fused_f32_kernel().silu_mul_f32),
@@ -103,7 +106,7 @@ class DecodeGraph:
         """The graph for a loaded LlamaForCausalLM, or None where a piece has no float32 C kernel here."""
         cfg = model.cfg
         if (cfg.qk_norm or model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu"
-                or model.rotary.cos.dtype != torch.float32 or model.kv_format.code != 0
+                or model.rotary.cos.dtype != torch.float32 or model.kv_format.code not in (0, Bf16KV.code)
                 or graph_kernel() is None or fused_f32_kernel() is None or load_kernel() is None):
             return None
         layers, max_rows = [], 1 << 30

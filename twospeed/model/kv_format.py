@@ -1,4 +1,4 @@
-"""How K and V sit in the paged cache: the model's dtype, int8 with a scale per token and KV head, or fp8 e4m3.
+"""How K and V sit in the paged cache: the model's dtype, bf16, int8 with a scale per token and KV head, or fp8 e4m3.
 
 Every decode step reads the whole cache, and the pool's size in tokens is its memory over the bytes of one
 token, so one byte an element instead of two holds about twice the tokens in the same memory and halves the
@@ -10,6 +10,12 @@ tensor per layer and K or V of a token sits in one place for every reader (the C
 
   int8  scale = bf16(max_d |x[d]| / 127),  q[d] = clamp(round(x[d] / scale), -127, 127)    per (token, KV head)
   fp8   e4m3(clamp(x, -448, 448))                                                          unscaled, as vLLM's default
+  bf16  bf16(x), rounded to nearest even                                  a float32 model's; a bf16 model's "auto"
+
+bf16 is for a model computed in float32, chiefly a bf16 checkpoint on a CPU without bf16 instructions
+(model/compute_dtype.py): its K and V come from bf16 weights, and a bf16 engine (vLLM's, llama.cpp's, twospeed's
+own where the CPU has bf16 kernels) stores them in bf16, so the cache takes half the bytes of float32 and each
+decode step reads half. For a bf16 model it is the plain format.
 
 Attention always reads K and V back from the cache, even for the chunk that just wrote them, so every path (the
 portable one here, the C kernels) sees the same quantized values. `code` tells the C kernels which format.
@@ -122,9 +128,30 @@ class Fp8KV(KVFormat):
         return cache.view(torch.uint8).index_select(0, block_ids).view(cache.dtype)
 
 
-KV_FORMATS = {f.name: f for f in (KVFormat, Int8KV, Fp8KV)}
+class Bf16KV(KVFormat):
+    """bf16 rows under a float32 model: rounded like a quantized format, so every path reads them back."""
+
+    name = "bf16"
+    code = 3
+    quantized = True
+
+    def storage(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return rows.to(dtype)
 
 
-def make_kv_format(kv_cache_dtype: str) -> KVFormat:
+KV_FORMATS = {f.name: f for f in (KVFormat, Int8KV, Fp8KV, Bf16KV)}
+
+
+def make_kv_format(kv_cache_dtype: str, model_dtype: torch.dtype | None = None) -> KVFormat:
+    """The format for `kv_cache_dtype`; "bf16" under a bf16 model is the plain one (model_dtype None: taken as not
+    bf16)."""
     kv_format(kv_cache_dtype)  # a known name (the torch-free table)
+    if kv_cache_dtype == "bf16" and model_dtype == torch.bfloat16:
+        return KVFormat()
     return KV_FORMATS[kv_cache_dtype]()

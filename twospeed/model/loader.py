@@ -282,7 +282,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     linear_backend: "auto" (on CPU in bf16 the C kernels: weights packed once; else oneDNN or the portable path;
     model/packed_linear.py), "cpu", "onednn" (unquantized only) or "torch" (portable).
     attention_backend: "auto" (the CPU decode kernel where it builds, else portable), "torch" or "cpu".
-    kv_cache_dtype: how the attention layers store K and V: "auto" (the model's dtype), "int8" or "fp8"
+    kv_cache_dtype: how the attention layers store K and V: "auto" (the model's dtype), "bf16", "int8" or "fp8"
     (model/kv_format.py); the runner allocates the cache to match (model.kv_format)."""
     ckpt = open_checkpoint(path)
     cfg = ckpt.model_config()
@@ -292,7 +292,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, device: str |
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt, make_kv_format(kv_cache_dtype))
+            model = LlamaForCausalLM(cfg, max_positions, attention_backend, fmt, make_kv_format(kv_cache_dtype, dtype))
             model.requires_grad_(False)
             load_weights(model, ckpt)
             model.finish_loading()

@@ -16,7 +16,8 @@ Weight formats (`quantization`):
   gguf     a GGUF file's own block formats (Q8_0, Q4_0, Q4_1, Q4_K), anything else in q8_0: priced at q8_0's
            bytes, the most any linear holds under it (the model counts what it holds: weight_bytes())
 KV cache dtypes (`kv_cache_dtype`):
-  auto     the model's dtype
+  auto     the model's dtype (a bf16 checkpoint computed in float32 under dtype auto: bf16, model/compute_dtype.py)
+  bf16     2 bytes an element: a float32 model's K and V rounded to bf16 (for a bf16 model, the same as auto)
   int8     1 byte an element + a bf16 scale per token and KV head, for K and for V
   fp8      1 byte an element (e4m3, unscaled: K and V stay well inside e4m3's +-448)
 """
@@ -67,7 +68,7 @@ class KVBytes:
     per_head: int = 0  # the int8 scale (bf16)
 
 
-KV_CACHE_DTYPES = {"auto": KVBytes(None), "int8": KVBytes(1, 2), "fp8": KVBytes(1)}
+KV_CACHE_DTYPES = {"auto": KVBytes(None), "bf16": KVBytes(2), "int8": KVBytes(1, 2), "fp8": KVBytes(1)}
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "auto",

@@ -1,4 +1,4 @@
-/* A decode step's whole decoder stack in one call (CPU, float32 activations, a float32 KV cache).
+/* A decode step's whole decoder stack in one call (CPU, float32 activations, a float32 or bf16 KV cache).
  *
  * At batch 1 a step of a small model is ~250 kernel calls that each take tens of microseconds; made one by one
  * from Python, each also pays the interpreter, ctypes and torch's dispatch, and on two cores that overhead was
@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "graph.h"
 
 typedef void (*NormFn)(const float *x, int64_t ldx, float *residual, const float *w, float *out, int64_t ldo, int T,
@@ -38,11 +39,12 @@ typedef struct {  /* one linear: its calls, each writing its own columns of y */
 typedef struct {
     const float *input_norm, *post_norm;  /* RMSNorm weights [hidden] */
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;             /* [blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;              /* [blocks, block_size, kv_heads, head_dim], float32 or bf16 */
 } Layer;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, window;
+    int64_t kv_bf16;                /* the cache holds bf16 (model/kv_format.py's Bf16KV), rounded as torch rounds */
     float eps, scale;
     const Layer *layer;
     const float *final_norm;
@@ -66,6 +68,11 @@ static int linear(const Linear *l, const float *x, int64_t ldx, float *y, int64_
     return 0;
 }
 
+static inline void put(void *cache, int64_t i, float x, int bf) {
+    if (bf) ((uint16_t *)cache)[i] = f32_to_bf16(x);
+    else ((float *)cache)[i] = x;
+}
+
 /* q and k heads of each row rotated (x * cos + roll(x, D/2) * sin_signed), q into q [M, H, D], k and v into the
  * cache at the row's slot */
 static void rope_write(const Graph *g, const Layer *L, const float *qkv, const int64_t *pos, const int64_t *slots,
@@ -75,13 +82,15 @@ static void rope_write(const Graph *g, const Layer *L, const float *qkv, const i
         const float *c = g->cos + pos[t] * D, *s = g->sin_signed + pos[t] * D, *src = qkv + t * row;
         for (int64_t h = 0; h < g->heads + g->kv_heads; h++) {
             const float *x = src + h * D;
-            float *dst = h < g->heads ? q + t * qs + h * D : L->k_cache + slots[t] * kvs + (h - g->heads) * D;
+            const int to_q = h < g->heads;
+            const int64_t at = to_q ? t * qs + h * D : slots[t] * kvs + (h - g->heads) * D;
             for (int64_t d = 0; d < D; d++) {
                 const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * s[d];
-                dst[d] = a + b;
+                if (to_q) q[at + d] = a + b;
+                else put(L->k_cache, at + d, a + b, (int)g->kv_bf16);
             }
         }
-        memcpy(L->v_cache + slots[t] * kvs, src + qs + kvs, sizeof(float) * kvs);
+        for (int64_t i = 0; i < kvs; i++) put(L->v_cache, slots[t] * kvs + i, src[qs + kvs + i], (int)g->kv_bf16);
     }
 }
 

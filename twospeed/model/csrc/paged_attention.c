@@ -11,9 +11,10 @@
  * window > 0 keeps only the last `window` keys (sliding window). Limits: G <= 16, D <= 256, BS <= 64.
  *
  * Quantized caches (model/kv_format.py) are read in place and widened to float32 as they load: *_i8 reads int8
- * rows of D values followed by their bf16 scale (row stride D + 2), *_f8 reads fp8 e4m3 rows.
+ * rows of D values followed by their bf16 scale (row stride D + 2), *_f8 reads fp8 e4m3 rows, and
+ * paged_decode_f32_b16 a bf16 cache under float32 queries (a float32 model's K and V in half the bytes).
  *
- * paged_decode_f32 (a float32 cache, head_dim a multiple of 8) has an AVX2 + FMA version: each key's row is read
+ * paged_decode_f32 and paged_decode_f32_b16 (head_dim a multiple of 8) have an AVX2 + FMA version: each key's row is read
  * once for the G query heads, the block's G x BS scores are exponentiated eight lanes at a time (Cephes' expf
  * polynomial, about 2 ulp), and P x V runs a register tile of 8 columns over the block's rows. When a step has
  * fewer (sequence, KV head) tasks than a few per thread (batch 1: a handful of KV heads on every core), each
@@ -118,9 +119,18 @@ static inline float hsum256(__m256 v) {
 
 typedef struct { float m[MAXG], l[MAXG], acc[MAXG][MAXD]; } Partial;  /* an online softmax's state */
 
-/* keys [k0, k1) of sequence s, KV head h into part (m = -inf, l = 0, acc = 0 on entry) */
-static void attend_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int s, int h,
-                       int k0, int k1, int H, int KVH, int D, int BS, float scale, Partial *part) {
+/* 8 cache elements from index i as float32: a float32 cache's, or a bf16 cache's widened (the top half of a float) */
+static inline __attribute__((always_inline)) __m256 kv8(const void *cache, int64_t i, int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i))), 16));
+    return _mm256_loadu_ps((const float *)cache + i);
+}
+
+/* keys [k0, k1) of sequence s, KV head h into part (m = -inf, l = 0, acc = 0 on entry); bf: a bf16 cache */
+static inline __attribute__((always_inline)) void attend(const float *q, const void *k_cache, const void *v_cache,
+                                                         const int64_t *table, int s, int h, int k0, int k1, int H,
+                                                         int KVH, int D, int BS, float scale, Partial *part, int bf) {
     const int G = H / KVH;
     const int64_t RS = (int64_t)KVH * D;
     float qf[MAXG][MAXD] __attribute__((aligned(32)));
@@ -131,16 +141,16 @@ static void attend_f32(const float *q, const float *k_cache, const float *v_cach
     }
     for (int b = k0 / BS; b * BS < k1; b++) {
         const int j0 = b * BS < k0 ? k0 - b * BS : 0, j1 = (b + 1) * BS <= k1 ? BS : k1 - b * BS;
-        const float *kb = k_cache + table[b] * BS * RS + (int64_t)h * D, *vb = v_cache + table[b] * BS * RS + (int64_t)h * D;
+        const int64_t base = table[b] * BS * RS + (int64_t)h * D;  /* the block's first row of head h */
         for (int g = 0; g < G; g++)  /* scores of 8 keys at a time: 8 independent FMA chains, one hadd tree */
             for (int j = j0; j < j1; j += 8) {
-                const float *kr[8];
-                for (int i = 0; i < 8; i++) kr[i] = kb + (j + i < j1 ? j + i : j1 - 1) * RS;  /* lanes past j1: masked */
+                int64_t kr[8];
+                for (int i = 0; i < 8; i++) kr[i] = base + (j + i < j1 ? j + i : j1 - 1) * RS;  /* lanes past j1: masked */
                 __m256 a[8];
                 for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
                 for (int d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_load_ps(&qf[g][d]);
-                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), a[i]);
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, kv8(k_cache, kr[i] + d, bf), a[i]);
                 }
                 const __m256 h03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
                 const __m256 h47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -174,15 +184,15 @@ static void attend_f32(const float *q, const float *k_cache, const float *v_cach
                 for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_load_ps(&part->acc[g][d + 8 * i]), vc);
                 for (int j = j0; j < j1; j++) {
                     const __m256 p = _mm256_set1_ps(sc[g][j]);
-                    const float *vr = vb + j * RS + d;
-                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * i), a[i]);
+                    const int64_t vr = base + j * RS + d;
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, kv8(v_cache, vr + 8 * i, bf), a[i]);
                 }
                 for (int i = 0; i < 8; i++) _mm256_store_ps(&part->acc[g][d + 8 * i], a[i]);
             }
             for (; d < D; d += 8) {
                 __m256 a = _mm256_mul_ps(_mm256_load_ps(&part->acc[g][d]), vc);
                 for (int j = j0; j < j1; j++)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(sc[g][j]), _mm256_loadu_ps(vb + j * RS + d), a);
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(sc[g][j]), kv8(v_cache, base + j * RS + d, bf), a);
                 _mm256_store_ps(&part->acc[g][d], a);
             }
         }
@@ -196,9 +206,11 @@ static void partial_init(Partial *p, int G, int D) {
     }
 }
 
-static void decode_f32_avx2(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                            const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
-                            int window, float scale, int threads) {
+static inline __attribute__((always_inline)) void decode_avx2(const float *q, const void *k_cache,
+                                                              const void *v_cache, const int64_t *tables,
+                                                              const int64_t *lens, float *out, int n, int H, int KVH,
+                                                              int D, int BS, int max_blocks, int window, float scale,
+                                                              int threads, int bf) {
     const int G = H / KVH, tasks = n * KVH;
     int longest = 0;
     for (int s = 0; s < n; s++) longest = (int)lens[s] > longest ? (int)lens[s] : longest;
@@ -212,8 +224,8 @@ static void decode_f32_avx2(const float *q, const float *k_cache, const float *v
             const int start = (window > 0 && len > window) ? len - window : 0;
             Partial p __attribute__((aligned(32)));
             partial_init(&p, G, D);
-            attend_f32(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, start, len, H, KVH, D, BS, scale,
-                       &p);
+            attend(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, start, len, H, KVH, D, BS, scale, &p,
+                   bf);
             for (int g = 0; g < G; g++) {
                 float *op = out + ((int64_t)s * H + (int64_t)h * G + g) * D;
                 const float inv = 1.f / p.l[g];
@@ -230,8 +242,8 @@ static void decode_f32_avx2(const float *q, const float *k_cache, const float *v
                   k1 = start + (int)((int64_t)span * (c + 1) / splits);
         partial_init(&parts[t], G, D);
         if (k1 > k0)
-            attend_f32(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, k0, k1, H, KVH, D, BS, scale,
-                       &parts[t]);
+            attend(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, k0, k1, H, KVH, D, BS, scale,
+                   &parts[t], bf);
     }
     #pragma omp parallel for num_threads(tasks >= threads ? threads : 1) schedule(static)
     for (int task = 0; task < tasks; task++) {  /* merge the chunks' states: rescale each to the common max */
@@ -254,6 +266,18 @@ static void decode_f32_avx2(const float *q, const float *k_cache, const float *v
     }
     free(parts);
 }
+
+static void decode_f32_avx2(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *lens,
+                            float *out, int n, int H, int KVH, int D, int BS, int max_blocks, int window, float scale,
+                            int threads) {
+    decode_avx2(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, 0);
+}
+
+static void decode_f32_b16_avx2(const float *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
+                                const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                                int window, float scale, int threads) {
+    decode_avx2(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, 1);
+}
 #endif
 
 /* KV loaders: the row stride in elements, the row's scale, a cache element to float32 */
@@ -269,6 +293,7 @@ PAGED_DECODE(paged_decode_bf16_i8, uint16_t, bf16_to_f32, f32_to_bf16, int8_t, I
 PAGED_DECODE(paged_decode_f32_i8, float, f32_id, f32_id, int8_t, I8_ROW, I8_LOAD, I8_SCALE)
 PAGED_DECODE(paged_decode_bf16_f8, uint16_t, bf16_to_f32, f32_to_bf16, uint8_t, PLAIN_ROW, fp8_to_f32, NO_SCALE)
 PAGED_DECODE(paged_decode_f32_f8, float, f32_id, f32_id, uint8_t, PLAIN_ROW, fp8_to_f32, NO_SCALE)
+PAGED_DECODE(paged_decode_f32_b16_generic, float, f32_id, f32_id, uint16_t, PLAIN_ROW, bf16_to_f32, NO_SCALE)
 
 void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                       const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks, int window,
@@ -281,4 +306,19 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
 #endif
     paged_decode_f32_generic(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale,
                              threads);
+}
+
+/* float32 queries over a bf16 cache (model/kv_format.py's Bf16KV: a float32 model's K and V in half the bytes) */
+void paged_decode_f32_b16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+                          const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                          int window, float scale, int threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        decode_f32_b16_avx2(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale,
+                            threads);
+        return;
+    }
+#endif
+    paged_decode_f32_b16_generic(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale,
+                                 threads);
 }
