@@ -2,7 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/bench_attention.py [--threads 1] [--repeats 7] [--heads 12] [--kv-heads 4]
           [--head-dim 64] [--contexts 0,256,1024,2048] [--chunks 4,8,16,64,256] [--decodes 1,8,16,32] [--quick]
-          [--dtype float32]   # decodes only: csrc/paged_attention.c's float32 kernel (a CPU without bf16 ones)
+          [--dtype float32]   # decodes only: csrc/paged_attention.c's float32 kernel (a CPU without bf16 ones),
+                              # over a float32 cache and over a bf16 one (model/kv_format.py's Bf16KV)
 
 Which path serves a shape is a property of the CPU (model/cpu_attention.py): on AMX CPUs torch's flash
 attention runs prompt chunks on AMX tiles and beats the AVX-512 BF16 kernel beyond a few rows, while decodes
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twospeed.model.attention import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan,  # noqa: E402
                                       TorchPagedAttention)
 from twospeed.model.cpu_attention import CpuPagedAttention, load_bf16_kernel  # noqa: E402
+from twospeed.model.kv_format import Bf16KV  # noqa: E402
 
 BLOCK = 16
 
@@ -103,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             meta = prefill_meta(n, ctx, table)
             b = best_ms(lambda: portable.prefill(q, None, None, k_cache, v_cache, meta, out), args.repeats)
             print(f"| {ctx0} | {n} | {a:.3f} | {b:.3f} | {a / b:.2f} |", flush=True)
-    print("\n| decode: streams | context | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |")
-    print("|---:|---:|---:|---:|---:|")
+    half = dtype == torch.float32  # also the float32 kernel over the same values in a bf16 cache
+    if half:
+        k_half, v_half, kernel_half = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), CpuPagedAttention(
+            h, kvh, d, kv=Bf16KV())
+    print("\n| decode: streams | context | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |"
+          + (" C kernel, bf16 cache (ms) | float32 / bf16 cache |" if half else ""))
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if half else ""))
     for n in decodes:
         for ctx in [c for c in contexts if c > 0]:
             nb = -(-ctx // BLOCK)
@@ -115,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
                                      [DecodeGroup(0, n, tables, torch.full((n,), ctx, dtype=torch.int64))])
             a = best_ms(lambda: kernel.decode(q, k_cache, v_cache, meta, out), args.repeats)
             b = best_ms(lambda: portable.decode(q, k_cache, v_cache, meta, out), args.repeats)
-            print(f"| {n} | {ctx} | {a:.3f} | {b:.3f} | {a / b:.2f} |", flush=True)
+            extra = ""
+            if half:
+                c = best_ms(lambda: kernel_half.decode(q, k_half, v_half, meta, out), args.repeats)
+                extra = f" {c:.3f} | {a / c:.2f} |"
+            print(f"| {n} | {ctx} | {a:.3f} | {b:.3f} | {a / b:.2f} |{extra}", flush=True)
     return 0
 
 

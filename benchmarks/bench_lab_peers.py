@@ -16,7 +16,11 @@ README.md says, and pandas in the vLLM venv (`vllm bench serve` reads its custom
     prefix cache), with the same max_tokens and concurrency through `vllm bench serve` (custom dataset, no chat
     template): client TTFT and ITL of both tools side by side. The runs go lab, vllm bench, vllm bench, lab (each
     under its own salt) and each tool's requests are pooled: a server whose speed drifts during the four runs
-    moves both tools alike, to first order (--agreement-rounds 1: one run each).
+    moves both tools alike, to first order (--agreement-rounds 1: one run each). Beside each tool's figures: the
+    CPU seconds the tool itself took (on two cores every client CPU-second slows the server it measures) and,
+    where the server exports it (vLLM's TTFT histogram, scraped before and after each run), the server's own
+    TTFT over the same requests: client over server TTFT is each tool's measurement with the server's pace taken
+    out, so the two tools can agree on it while their raw TTFTs differ by how fast the server ran beside them.
 
 Writes OUT/lab_peers.json (every number, every command) and prints markdown tables; BENCHMARKS.md is left alone.
 """
@@ -26,9 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -72,17 +78,45 @@ class Config:
 QUICK = dict(workloads=("chat", "agent"), requests=4, rate=1.0, agreement_requests=4, max_output_tokens=16)
 
 
+def run_tool(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, float, float]:
+    """Run a benchmark client to completion: its exit status, wall seconds and CPU seconds (its own and its
+    children's, user + system)."""
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=None if env is None else os.environ | env).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return rc, time.monotonic() - t0, cpu
+
+
+def server_ttft(server) -> tuple[float, float] | None:
+    """The server's own TTFT histogram so far (sum of seconds, count), where it exports one (vLLM:
+    vllm:time_to_first_token_seconds); None elsewhere."""
+    try:
+        text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    total = {"_sum": 0.0, "_count": 0.0}
+    found = False
+    for line in text.splitlines():
+        for suffix in total:
+            if line.startswith("vllm:time_to_first_token_seconds" + suffix):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+                found = True
+    return (total["_sum"], total["_count"]) if found else None
+
+
 def lab(server, cfg: Config, workload: str, out: Path, *extra: str) -> dict:
     """One `twospeed bench` run (its results.json, or {'error': ...})."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(TWOSPEED), "bench", "--url", server.url + "/v1", "--model", server.model, "--workload", workload,
            "--seed", str(cfg.seed), "--tokenizer", str(model_dir(cfg.dtype)), "--out", str(out), "--no-progress",
            "--label", f"{server.engine}-{workload}", "--timeout", str(cfg.timeout_s), *extra]
-    with open(out / "bench.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    rc, wall, cpu = run_tool(cmd, out / "bench.log")
     if rc != 0 or not (out / "results.json").is_file():
         return {"error": f"twospeed bench exited {rc}: {(out / 'bench.log').read_text()[-400:]}", "command": cmd}
-    return {**json.loads((out / "results.json").read_text()), "command": cmd}
+    return {**json.loads((out / "results.json").read_text()), "command": cmd, "tool_wall_s": wall, "tool_cpu_s": cpu}
 
 
 def summarize(doc: dict) -> dict:
@@ -148,11 +182,11 @@ def vllm_bench(server, cfg: Config, dataset: Path, n: int, out: Path) -> dict:
         # ("Server disconnected", or a stream with no chunk) with it, none of 4 with a connection per request
         cmd += ["--header", "Connection=close"]
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    with open(out / "vllm_bench.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ | env).returncode
+    rc, wall, cpu = run_tool(cmd, out / "vllm_bench.log", env)
     if rc != 0 or not (out / "vllm_bench.json").is_file():
         return {"error": f"vllm bench serve exited {rc}: {(out / 'vllm_bench.log').read_text()[-400:]}", "command": cmd}
-    return {**json.loads((out / "vllm_bench.json").read_text()), "command": cmd}
+    return {**json.loads((out / "vllm_bench.json").read_text()), "command": cmd, "tool_wall_s": wall,
+            "tool_cpu_s": cpu}
 
 
 def agreement(lab_docs: list[dict], vbs: list[dict]) -> dict:
@@ -171,12 +205,32 @@ def agreement(lab_docs: list[dict], vbs: list[dict]) -> dict:
         return {"n": len(v), "mean": float(np.mean(v)) if v else None, "p50": float(np.percentile(v, 50)) if v else None,
                 "p99": float(np.percentile(v, 99)) if v else None}
 
+    def load(docs: list[dict]) -> dict:
+        """The tool's own CPU seconds and wall, and the server's TTFT mean (ms) over the tool's runs (pooled)."""
+        spans = [d.get("server_ttft") for d in docs]
+        server = None
+        if spans and all(spans):
+            total, count = sum(s[0] for s in spans), sum(s[1] for s in spans)
+            server = total / count * 1e3 if count else None
+        return {"cpu_s": sum(d.get("tool_cpu_s", 0.0) for d in docs), "wall_s": sum(d.get("tool_wall_s", 0.0) for d in docs),
+                "server_ttft_mean": server}
+
     out = {"lab": {"ttft": stats(lab_ttft), "itl": stats(lab_itl),
-                   "errors": sum(doc["total"]["errors"] for doc in lab_docs)},
-           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": sum(vb.get("failed", 0) for vb in vbs)}}
+                   "errors": sum(doc["total"]["errors"] for doc in lab_docs), **load(lab_docs)},
+           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": sum(vb.get("failed", 0) for vb in vbs),
+                          **load(vbs)}}
     out["ratio"] = {f"{m}_{q}": (out["lab"][m][q] / out["vllm_bench"][m][q]
                                  if out["lab"][m][q] and out["vllm_bench"][m][q] else None)
                     for m in ("ttft", "itl") for q in ("mean", "p50")}
+    for tool in ("lab", "vllm_bench"):  # the tool's client TTFT over the server's own, same requests
+        t = out[tool]
+        t["client_over_server"] = (t["ttft"]["mean"] / t["server_ttft_mean"]
+                                   if t["ttft"]["mean"] and t["server_ttft_mean"] else None)
+    lab_cs, vb_cs = out["lab"]["client_over_server"], out["vllm_bench"]["client_over_server"]
+    out["ratio"]["client_over_server"] = lab_cs / vb_cs if lab_cs and vb_cs else None
+    out["ratio"]["server_ttft_mean"] = (out["lab"]["server_ttft_mean"] / out["vllm_bench"]["server_ttft_mean"]
+                                        if out["lab"]["server_ttft_mean"] and out["vllm_bench"]["server_ttft_mean"]
+                                        else None)
     return out
 
 
@@ -197,6 +251,7 @@ def run_engine(engine: str, cfg: Config) -> dict:
         order = ("lab", "vllm-bench", "vllm-bench", "lab") if cfg.agreement_rounds > 1 else ("lab", "vllm-bench")
         for i, tool in enumerate(order):
             out = cfg.out / engine / f"agreement-{cfg.agreement_workload}" / f"{i}-{tool}"
+            before = server_ttft(server)
             if tool == "lab":
                 doc = lab(server, cfg, cfg.agreement_workload, out, "--requests", str(cfg.agreement_requests),
                           "--concurrency", str(cfg.concurrency), "--ignore-eos", "--max-output-tokens",
@@ -207,7 +262,11 @@ def run_engine(engine: str, cfg: Config) -> dict:
                 if "error" in labs[0]:
                     break
                 n = agreement_dataset(labs[0], cfg, server, out / "dataset.jsonl", f"-vllm-bench-{i}")
-                vbs.append(vllm_bench(server, cfg, out / "dataset.jsonl", n, out))
+                doc = vllm_bench(server, cfg, out / "dataset.jsonl", n, out)
+                vbs.append(doc)
+            after = server_ttft(server)
+            if before is not None and after is not None:  # the server's TTFT over this run's requests alone
+                doc["server_ttft"] = (after[0] - before[0], after[1] - before[1])
         result["agreement"] = agreement(labs, vbs)
         print(f"  agreement: {json.dumps(result['agreement'].get('ratio') or result['agreement'])}", flush=True)
     return result
@@ -250,6 +309,22 @@ def tables(results: dict, cfg: Config) -> str:
         ratio = a["ratio"]
         lines.append(f"| {engine} | lab / vllm bench | {_f(ratio['ttft_mean'], '.3f')} | {_f(ratio['ttft_p50'], '.3f')} "
                      f"| | {_f(ratio['itl_mean'], '.3f')} | {_f(ratio['itl_p50'], '.3f')} | | |")
+    lines += ["", "Each tool's load and the server's own clock over the same runs: the tool's CPU seconds and wall, "
+              "the server's TTFT mean (vLLM's histogram; - where the server exports none), and client TTFT over "
+              "the server's", "", "| engine | tool | CPU s | wall s | server TTFT mean ms | client / server TTFT |",
+              "|" + "---|" * 6]
+    for engine, r in results.items():
+        a = r.get("agreement") or {}
+        if "error" in a:
+            continue
+        for tool in ("lab", "vllm_bench"):
+            t = a[tool]
+            lines.append(f"| {engine} | {'twospeed bench' if tool == 'lab' else 'vllm bench serve'} | "
+                         f"{_f(t['cpu_s'], '.1f')} | {_f(t['wall_s'], '.1f')} | {_f(t['server_ttft_mean'], '.1f')} | "
+                         f"{_f(t['client_over_server'], '.3f')} |")
+        ratio = a["ratio"]
+        lines.append(f"| {engine} | lab / vllm bench | | | {_f(ratio['server_ttft_mean'], '.3f')} | "
+                     f"{_f(ratio['client_over_server'], '.3f')} |")
     return "\n".join(lines)
 
 
