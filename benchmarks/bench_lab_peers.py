@@ -212,13 +212,13 @@ def agreement(lab_docs: list[dict], vbs: list[dict]) -> dict:
         if spans and all(spans):
             total, count = sum(s[0] for s in spans), sum(s[1] for s in spans)
             server = total / count * 1e3 if count else None
-        return {"cpu_s": sum(d.get("tool_cpu_s", 0.0) for d in docs), "wall_s": sum(d.get("tool_wall_s", 0.0) for d in docs),
-                "server_ttft_mean": server}
+        return {"cpu_s": sum(d.get("tool_cpu_s", 0.0) for d in docs),
+                "wall_s": sum(d.get("tool_wall_s", 0.0) for d in docs), "server_ttft_mean": server}
 
     out = {"lab": {"ttft": stats(lab_ttft), "itl": stats(lab_itl),
                    "errors": sum(doc["total"]["errors"] for doc in lab_docs), **load(lab_docs)},
-           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl), "errors": sum(vb.get("failed", 0) for vb in vbs),
-                          **load(vbs)}}
+           "vllm_bench": {"ttft": stats(vb_ttft), "itl": stats(vb_itl),
+                          "errors": sum(vb.get("failed", 0) for vb in vbs), **load(vbs)}}
     out["ratio"] = {f"{m}_{q}": (out["lab"][m][q] / out["vllm_bench"][m][q]
                                  if out["lab"][m][q] and out["vllm_bench"][m][q] else None)
                     for m in ("ttft", "itl") for q in ("mean", "p50")}

@@ -16,7 +16,7 @@ A checkpoint's dtype says how its weights are stored, not what the device multip
 The KV cache follows the checkpoint there too: a bf16 checkpoint computed in float32 because the CPU lacks bf16
 kernels keeps its K and V in bf16 (`kv_cache_dtype: auto` -> "bf16", model/kv_format.py), as every bf16 engine
 stores them: half the cache's bytes, so twice the tokens in the pool and half the bytes each decode step reads
-(on a 2-core AVX2 Zen 3, decode attention 20% faster, batch-1 decode at a 2,048-token context ~10% faster).
+(the gain where the cache streams from memory: BENCHMARKS.md, CPU kernels).
 An explicit `dtype` is always obeyed (LLMEngine; this module decides `auto` only); under an explicit float32
 the cache is float32 too.
 Input: the checkpoint's dtype and the device. Output: the dtype the weights, activations and KV cache use.

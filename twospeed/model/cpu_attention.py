@@ -10,8 +10,8 @@ against (tests/model/test_cpu_attention.py). Two libraries, compiled on first us
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
 `load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
 model/kv_format.py) is read in place by every kernel (attention_bf16.c takes the format as an argument,
-paged_attention.c has *_i8 / *_f8 decodes, and *_f32_b16 for a float32 model's bf16 cache) and written by the fused RoPE + cache write as the portable
-path's encoder writes it.
+paged_attention.c has *_i8 / *_f8 decodes, and *_f32_b16 for a float32 model's bf16 cache) and written by the
+fused RoPE + cache write as the portable path's encoder writes it.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@
  * rows of D values followed by their bf16 scale (row stride D + 2), *_f8 reads fp8 e4m3 rows, and
  * paged_decode_f32_b16 a bf16 cache under float32 queries (a float32 model's K and V in half the bytes).
  *
- * paged_decode_f32 and paged_decode_f32_b16 (head_dim a multiple of 8) have an AVX2 + FMA version: each key's row is read
- * once for the G query heads, the block's G x BS scores are exponentiated eight lanes at a time (Cephes' expf
- * polynomial, about 2 ulp), and P x V runs a register tile of 8 columns over the block's rows. When a step has
+ * paged_decode_f32 and paged_decode_f32_b16 (head_dim a multiple of 8) have an AVX2 + FMA version: each key's
+ * row is read once for the G query heads, the block's G x BS scores are exponentiated eight lanes at a time
+ * (Cephes' expf polynomial, about 2 ulp), and P x V runs a register tile of 8 columns over the block's rows. When a step has
  * fewer (sequence, KV head) tasks than a few per thread (batch 1: a handful of KV heads on every core), each
  * task's context is split into chunks whose partial softmax states (max, sum, accumulator) merge after the
  * parallel loop, as flash-decoding does on a GPU, so every core works on a lone sequence.
@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const v
         for (int g = 0; g < G; g++)  /* scores of 8 keys at a time: 8 independent FMA chains, one hadd tree */
             for (int j = j0; j < j1; j += 8) {
                 int64_t kr[8];
-                for (int i = 0; i < 8; i++) kr[i] = base + (j + i < j1 ? j + i : j1 - 1) * RS;  /* lanes past j1: masked */
+                for (int i = 0; i < 8; i++) kr[i] = base + (j + i < j1 ? j + i : j1 - 1) * RS;  /* past j1: masked */
                 __m256 a[8];
                 for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
                 for (int d = 0; d < D; d += 8) {
