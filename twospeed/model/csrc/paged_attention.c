@@ -206,11 +206,24 @@ static void partial_init(Partial *p, int G, int D) {
     }
 }
 
-static inline __attribute__((always_inline)) void decode_avx2(const float *q, const void *k_cache,
-                                                              const void *v_cache, const int64_t *tables,
-                                                              const int64_t *lens, float *out, int n, int H, int KVH,
-                                                              int D, int BS, int max_blocks, int window, float scale,
-                                                              int threads, int bf) {
+/* attend for each cache type, bf a constant there: the parallel regions below are outlined before any inlining,
+   so a flag passed through them would be tested at every load */
+typedef void (*AttendFn)(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int s, int h,
+                         int k0, int k1, int H, int KVH, int D, int BS, float scale, Partial *part);
+
+static void attend_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int s, int h,
+                       int k0, int k1, int H, int KVH, int D, int BS, float scale, Partial *part) {
+    attend(q, k_cache, v_cache, table, s, h, k0, k1, H, KVH, D, BS, scale, part, 0);
+}
+
+static void attend_b16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int s, int h,
+                       int k0, int k1, int H, int KVH, int D, int BS, float scale, Partial *part) {
+    attend(q, k_cache, v_cache, table, s, h, k0, k1, H, KVH, D, BS, scale, part, 1);
+}
+
+static void decode_avx2(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                        const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
+                        int window, float scale, int threads, AttendFn attend_rows) {
     const int G = H / KVH, tasks = n * KVH;
     int longest = 0;
     for (int s = 0; s < n; s++) longest = (int)lens[s] > longest ? (int)lens[s] : longest;
@@ -224,8 +237,8 @@ static inline __attribute__((always_inline)) void decode_avx2(const float *q, co
             const int start = (window > 0 && len > window) ? len - window : 0;
             Partial p __attribute__((aligned(32)));
             partial_init(&p, G, D);
-            attend(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, start, len, H, KVH, D, BS, scale, &p,
-                   bf);
+            attend_rows(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, start, len, H, KVH, D, BS, scale,
+                        &p);
             for (int g = 0; g < G; g++) {
                 float *op = out + ((int64_t)s * H + (int64_t)h * G + g) * D;
                 const float inv = 1.f / p.l[g];
@@ -242,8 +255,8 @@ static inline __attribute__((always_inline)) void decode_avx2(const float *q, co
                   k1 = start + (int)((int64_t)span * (c + 1) / splits);
         partial_init(&parts[t], G, D);
         if (k1 > k0)
-            attend(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, k0, k1, H, KVH, D, BS, scale,
-                   &parts[t], bf);
+            attend_rows(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, s, h, k0, k1, H, KVH, D, BS, scale,
+                        &parts[t]);
     }
     #pragma omp parallel for num_threads(tasks >= threads ? threads : 1) schedule(static)
     for (int task = 0; task < tasks; task++) {  /* merge the chunks' states: rescale each to the common max */
@@ -265,18 +278,6 @@ static inline __attribute__((always_inline)) void decode_avx2(const float *q, co
         }
     }
     free(parts);
-}
-
-static void decode_f32_avx2(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *lens,
-                            float *out, int n, int H, int KVH, int D, int BS, int max_blocks, int window, float scale,
-                            int threads) {
-    decode_avx2(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, 0);
-}
-
-static void decode_f32_b16_avx2(const float *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
-                                const int64_t *lens, float *out, int n, int H, int KVH, int D, int BS, int max_blocks,
-                                int window, float scale, int threads) {
-    decode_avx2(q, k, v, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads, 1);
 }
 #endif
 
@@ -300,7 +301,8 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
                       float scale, int threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
-        decode_f32_avx2(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads);
+        decode_avx2(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads,
+                    attend_f32);
         return;
     }
 #endif
@@ -314,8 +316,8 @@ void paged_decode_f32_b16(const float *q, const uint16_t *k_cache, const uint16_
                           int window, float scale, int threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
-        decode_f32_b16_avx2(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale,
-                            threads);
+        decode_avx2(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale, threads,
+                    attend_b16);
         return;
     }
 #endif
