@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from twospeed.config import add_engine_args, engine_kwargs
-from twospeed.schema.formats import QUANTIZATIONS
+from twospeed.schema.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -32,7 +32,7 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--hardware",
                      help="a hardware profile (`twospeed clock --list-hardware`) or 'local' (measured): the roofline")
     p.add_argument("--quantization", choices=("none", *QUANTIZATIONS), help="weights' format (roofline)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "int8", "fp8"), help="KV cache format (roofline)")
+    p.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), help="KV cache format (roofline)")
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="roofline: share of peak FLOP/s (0.5)")
     p.add_argument("--bandwidth-efficiency", type=float, default=0.8, help="roofline: share of peak bandwidth (0.8)")
     p.add_argument("--step-overhead-ms", type=float, default=2.0, help="roofline: host time per step (2 ms)")
