@@ -64,6 +64,7 @@ class BlockKind:
     block: int  # weights per block (the input width must be a multiple): schema/formats.py's BLOCK_LAYOUTS
     block_bytes: int
     code: int  # csrc/linear_qblock.c's KIND_*
+    scale_bytes: int | None = None  # bytes of scales (and min) opening a block, where the kind has a grouped layout
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.block_bytes
@@ -98,6 +99,26 @@ class BlockKind:
         """uint8 [rows, row_bytes] -> float32 [rows, K], as gguf.quants.dequantize computes it."""
         blocks = data.reshape(-1, self.block_bytes)
         return self._dequantize_blocks(blocks).reshape(data.shape[0], k)
+
+    def group_rows(self, data: torch.Tensor) -> torch.Tensor:
+        """GGUF rows uint8 [rows, row_bytes] -> the same bytes in csrc/linear_qblock.c's grouped layout (KIND_X8):
+        per group of 8 rows and block, the 8 rows' scales (then mins), then the quants 4 bytes of each row at a time;
+        the last rows % 8 rows stay as they are."""
+        g, nb, sb = data.shape[0] // 8, data.shape[1] // self.block_bytes, self.scale_bytes
+        full = data[:8 * g].reshape(g, 8, nb, self.block_bytes)
+        scales = full[..., :sb].reshape(g, 8, nb, sb // 2, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 8 * sb)
+        words = (self.block_bytes - sb) // 4
+        quants = full[..., sb:].reshape(g, 8, nb, words, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 32 * words)
+        return torch.cat((torch.cat((scales, quants), dim=2).reshape(8 * g, data.shape[1]), data[8 * g:]))
+
+    def ungroup_rows(self, data: torch.Tensor) -> torch.Tensor:
+        """The inverse of group_rows: GGUF's rows again."""
+        g, nb, sb = data.shape[0] // 8, data.shape[1] // self.block_bytes, self.scale_bytes
+        full = data[:8 * g].reshape(g, nb, 8 * self.block_bytes)
+        scales = full[..., :8 * sb].reshape(g, nb, sb // 2, 8, 2).permute(0, 3, 1, 2, 4).reshape(g, 8, nb, sb)
+        words = (self.block_bytes - sb) // 4
+        quants = full[..., 8 * sb:].reshape(g, nb, words, 8, 4).permute(0, 3, 1, 2, 4).reshape(g, 8, nb, 4 * words)
+        return torch.cat((torch.cat((scales, quants), dim=3).reshape(8 * g, data.shape[1]), data[8 * g:]))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -146,6 +167,7 @@ def _round_away(n: torch.Tensor) -> torch.Tensor:
 class Q8_0(BlockKind):
     name, code = "Q8_0", 0
     block, block_bytes = BLOCK_LAYOUTS[name]
+    scale_bytes = 2
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         d = x.abs().amax(dim=1, keepdim=True) / 127
@@ -159,6 +181,7 @@ class Q8_0(BlockKind):
 class Q4_0(BlockKind):
     name, code = "Q4_0", 1
     block, block_bytes = BLOCK_LAYOUTS[name]
+    scale_bytes = 2
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         peak = x.gather(1, x.abs().argmax(dim=1, keepdim=True))  # the signed value of largest magnitude
@@ -173,6 +196,7 @@ class Q4_0(BlockKind):
 class Q4_1(BlockKind):
     name, code = "Q4_1", 2
     block, block_bytes = BLOCK_LAYOUTS[name]
+    scale_bytes = 4
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)

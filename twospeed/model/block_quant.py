@@ -19,7 +19,8 @@ Three paths behind `BlockLinear.forward`, tested against each other and a float6
 (tests/model/test_block_quant.py):
 - up to `QBLOCK_MAX_ROWS` rows (decode), float32 or bf16 activations on a CPU with AVX2 + FMA + F16C:
   csrc/linear_qblock.c, llama.cpp's way: activations quantized to int8 per block of 32, integer dot products
-  against each weight block read once per step. Bound per output: sum over blocks of max|x_b| / 254 times
+  against each weight block read once per step. Where it runs, Q8_0/Q4_0/Q4_1 parts hold their rows grouped by 8
+  (BlockKind.group_rows: the same bytes, the kernel's order; `BlockPart.gguf_rows` gives GGUF's back). Bound per output: sum over blocks of max|x_b| / 254 times
   sum_b |w| (the activations' rounding), plus float32 summation.
 - more rows on that CPU: panels of rows dequantized to float32 in C (gguf's values, bit for bit) and torch's
   BLAS: the weights' exact values, float32 summation only.
@@ -46,6 +47,7 @@ from twospeed.model.weight_format import FormatLinear, GraphCall, ShapeMismatch,
 # panels and the BLAS (the kernel's work grows with the rows, a GEMM's per-row cost falls).
 QBLOCK_MAX_ROWS = 8
 PANEL_FLOATS = 1 << 20  # float32 weights dequantized at a time on the BLAS path (4 MiB: stays in cache)
+KIND_X8 = 8  # csrc/linear_qblock.c: a part's rows grouped by 8 (BlockKind.group_rows)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -61,11 +63,22 @@ def qblock_kernel() -> ctypes.CDLL | None:
 
 @dataclass(slots=True)
 class BlockPart:
-    """Output rows `rows` of a linear, stored in one block kind: data uint8 [rows, row_bytes]."""
+    """Output rows `rows` of a linear, stored in one block kind: data uint8 [rows, row_bytes], in GGUF's layout or,
+    `grouped`, in the kernel's (BlockKind.group_rows: the same bytes, 8 rows interleaved)."""
 
     rows: slice
     kind: BlockKind
     data: torch.Tensor
+    grouped: bool = False
+
+    @property
+    def code(self) -> int:
+        """csrc/linear_qblock.c's kind for these bytes (KIND_X8 or'ed in where grouped)."""
+        return self.kind.code | (KIND_X8 if self.grouped else 0)
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The bytes in GGUF's layout (a copy where grouped)."""
+        return self.kind.ungroup_rows(self.data) if self.grouped else self.data
 
 
 class BlockFormat(WeightFormat):
@@ -187,6 +200,12 @@ class BlockLinear(FormatLinear):
                                 torch.cat([self.weight.data[p.rows] if p.data is None else p.data for p in pieces]))
                       for kind, pieces in runs]
         self._kept = {}
+        if self.fmt.use_kernel:  # the decode kernel reads 8 rows' blocks at once: group them in place of GGUF's rows
+            for part in self.parts:
+                if part.kind.scale_bytes and part.data.device.type == "cpu":
+                    part.data, part.grouped = part.kind.group_rows(part.data), True
+            if own:
+                self.weight.data = self.parts[0].data
         if not own:
             del self.weight  # the parts hold every row
         if self.bias is not None:
@@ -210,7 +229,7 @@ class BlockLinear(FormatLinear):
             for part in self.parts:
                 start, rows = part.rows.start, part.rows.stop - part.rows.start
                 bias = None if self.bias32 is None else self.bias32.data_ptr() + 4 * start
-                if lib.linear_qblock(x2.data_ptr(), x2.stride(0), bf16, part.data.data_ptr(), part.kind.code, bias,
+                if lib.linear_qblock(x2.data_ptr(), x2.stride(0), bf16, part.data.data_ptr(), part.code, bias,
                                      y[:, start:].data_ptr(), y.stride(0), m, rows, self.in_features, threads):
                     raise MemoryError(f"linear_qblock: no memory for {m} x {self.in_features} quantized activations")
         return y.view(*lead, self.out_features)
@@ -220,13 +239,13 @@ class BlockLinear(FormatLinear):
         lead = x.shape[:-1]
         xf = rows_2d(x, self.in_features).float()
         y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
-        step = max(1, PANEL_FLOATS // self.in_features)
+        step = max(8, PANEL_FLOATS // self.in_features // 8 * 8)  # whole groups of 8 rows
         panel = torch.empty(min(step, self.out_features), self.in_features, dtype=torch.float32)
         lib, threads = qblock_kernel(), torch.get_num_threads()
         for part in self.parts:
             for r0 in range(part.rows.start, part.rows.stop, step):
                 n = min(step, part.rows.stop - r0)
-                lib.qblock_dequantize(part.data[r0 - part.rows.start].data_ptr(), part.kind.code, n,
+                lib.qblock_dequantize(part.data[r0 - part.rows.start].data_ptr(), part.code, n,
                                       self.in_features, panel.data_ptr(), self.in_features, threads)
                 y[:, r0:r0 + n] = xf @ panel[:n].T
         if self.bias32 is not None:
@@ -243,7 +262,7 @@ class BlockLinear(FormatLinear):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] these bytes stand for (gguf's dequantization)."""
         parts = self.parts or [BlockPart(slice(0, self.out_features), self.kind, self.weight.data)]
-        return torch.cat([p.kind.dequantize(p.data, self.in_features) for p in parts])
+        return torch.cat([p.kind.dequantize(p.gguf_rows(), self.in_features) for p in parts])
 
     def graph_calls(self) -> list[GraphCall] | None:
         """csrc/linear_qblock.c's graph entry, one call per part."""
@@ -252,7 +271,7 @@ class BlockLinear(FormatLinear):
         run = ctypes.cast(qblock_kernel().qblock_graph_linear, ctypes.c_void_p).value
         return [GraphCall(run, p.data.data_ptr(), None,
                           None if self.bias32 is None else self.bias32.data_ptr() + 4 * p.rows.start,
-                          p.rows.start, p.kind.code, p.rows.stop - p.rows.start, self.in_features, QBLOCK_MAX_ROWS)
+                          p.rows.start, p.code, p.rows.stop - p.rows.start, self.in_features, QBLOCK_MAX_ROWS)
                 for p in self.parts]
 
     @property

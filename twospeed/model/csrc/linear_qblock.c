@@ -2,7 +2,8 @@
  *
  * A decode step streams every weight once, so the bytes a weight costs set the step's floor: 1.06 bytes in Q8_0,
  * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1 (bf16: 2, float32: 4). The weights stay in GGUF's own layout
- * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values.
+ * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values;
+ * Q8_0, Q4_0 and Q4_1 may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's order.
  *
  * Decode-sized steps (linear_qblock, up to QB_MAX_ROWS rows) run as llama.cpp's CPU path does: each activation
  * row is quantized to int8 per block of 32 (a float32 scale dx = max|x| / 127 per block, q = nearest(x / dx)),
@@ -46,6 +47,7 @@
 #define KIND_Q4_0 1
 #define KIND_Q4_1 2
 #define KIND_Q4_K 3
+#define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1: the rows stored in groups of 8 interleaved (below) */
 #define QB_MAX_ROWS 8
 
 static const int BLOCK[4] = {32, 32, 32, 256}, BLOCK_BYTES[4] = {34, 18, 20, 144};
@@ -248,6 +250,86 @@ static inline __attribute__((always_inline)) void rows_k(const int R, const int 
         for (int c = 0; c < C; c++) out[r][c] = hsum(acc[r][c]);
 }
 
+/* ---- groups of 8 weight rows interleaved (KIND_X8) ------------------------------------------------------------
+ *
+ * The same bytes as GGUF's rows, permuted so that one 32-byte load holds 4 consecutive weights of each of 8 rows:
+ * multiplied (vpmaddubsw) by the same 4 activations broadcast to every lane, its 8 int32 lanes are 8 output
+ * columns' partial sums, so no horizontal sum, no per-block scalar scale and no per-row nibble shuffle remain. Per
+ * group of 8 rows n0..n0+7 and 32-block b (8 x BLOCK_BYTES bytes), in order:
+ *   the 8 rows' fp16 d (16 bytes); Q4_1: their 8 fp16 m (16 bytes);
+ *   Q4_0/Q4_1: for t = 0..3, for row j = 0..7: bytes 4t..4t+3 of row j's 16 nibble bytes (128 bytes);
+ *   Q8_0: for t = 0..7, for row j = 0..7: bytes 4t..4t+3 of row j's 32 int8 (256 bytes).
+ * A part's first N / 8 * 8 rows are grouped; its last N % 8 rows follow in GGUF's layout (model/block_quant.py's
+ * interleave writes this). Q4_0's q - 8 is folded into the min term (m = -8 d), so all three 4-bit sums are of
+ * unsigned nibbles: 16 products of a lane stay within int16 (16 x 15 x 127 < 2^15) and are widened once a block.
+ * Each row's sums still run in one order whatever the rows beside it, and the products with the quantized
+ * activations are exact: the bound above holds unchanged. */
+static const int X8_HEAD[3] = {16, 16, 32};  /* bytes of scales (and mins) before the quants, per group and block */
+
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void group8(const int kind, const int R, const uint8_t *g,
+                                                         const Acts *a, __m256 out[QB_MAX_ROWS]) {
+    const int gb = 8 * BLOCK_BYTES[kind], head = X8_HEAD[kind];
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[QB_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a->nb; b++) {
+        const uint8_t *p = g + b * gb, *q = p + head;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        if (kind == KIND_Q8_0) {
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a->q + (r * a->nb + b) * 32;
+                __m256i s = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
+                    s = _mm256_add_epi32(s, dot32(1, w, _mm256_sign_epi8(w, w), bcast4(x + 4 * t)));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d[r * a->nb + b])),
+                                         _mm256_cvtepi32_ps(s), acc[r]);
+            }
+            continue;
+        }
+        const __m256 mn = kind == KIND_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                            : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+        __m256i w[8];  /* w[t]: weights 4t..4t+3 of each row; w[4 + t]: weights 16 + 4t..16 + 4t + 3 */
+        for (int t = 0; t < 4; t++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
+            w[t] = _mm256_and_si256(v, m4);
+            w[4 + t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = a->q + (r * a->nb + b) * 32;
+            __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+            for (int t = 1; t < 8; t++)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + (t < 4 ? 4 * t : 16 + 4 * (t - 4)))));
+            const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d[r * a->nb + b])), sum, acc[r]);
+            acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->s[r * a->nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#define DEFINE_GROUP8(NAME, KIND, R) \
+    static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_MAX_ROWS]) { group8(KIND, R, g, a, out); }
+#define DEFINE_KIND8(K, KIND)                                                                                     \
+    DEFINE_GROUP8(x8_##K##_1, KIND, 1) DEFINE_GROUP8(x8_##K##_2, KIND, 2) DEFINE_GROUP8(x8_##K##_3, KIND, 3)      \
+    DEFINE_GROUP8(x8_##K##_4, KIND, 4) DEFINE_GROUP8(x8_##K##_5, KIND, 5) DEFINE_GROUP8(x8_##K##_6, KIND, 6)      \
+    DEFINE_GROUP8(x8_##K##_7, KIND, 7) DEFINE_GROUP8(x8_##K##_8, KIND, 8)
+DEFINE_KIND8(q8_0, KIND_Q8_0)
+DEFINE_KIND8(q4_0, KIND_Q4_0)
+DEFINE_KIND8(q4_1, KIND_Q4_1)
+
+typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_MAX_ROWS]);
+#define KIND8_TABLE(K) {NULL, x8_##K##_1, x8_##K##_2, x8_##K##_3, x8_##K##_4, x8_##K##_5, x8_##K##_6, x8_##K##_7, \
+                        x8_##K##_8}
+static const Group8 GROUPS8[3][QB_MAX_ROWS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1)};
+
 static inline void store(void *y, int64_t at, int bf16, float v) {
     if (bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
     else ((float *)y)[at] = v;
@@ -283,16 +365,32 @@ int linear_qblock(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int 
     if (M < 1 || M > QB_MAX_ROWS) return -1;
     Acts a;
     if (quantize_acts(x, ldx, x_bf16, M, K, &a) != 0) { free_acts(&a); return -1; }
+    const int grouped = (kind & KIND_X8) ? N / 8 : 0;  /* groups of 8 interleaved rows, then rows in GGUF's layout */
+    kind &= ~KIND_X8;
     const int64_t wstride = qblock_row_bytes(kind, K);
-    const int C = M <= 4 ? 2 : 1, groups = (N + C - 1) / C;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < groups; g++) {
-        const int n0 = g * C, cols = N - n0 < C ? N - n0 : C;
-        float out[QB_MAX_ROWS][2];
-        GROUPS[kind][M][cols - 1](w + n0 * wstride, wstride, &a, out);
-        for (int r = 0; r < M; r++)
-            for (int c = 0; c < cols; c++)
-                store(y, r * ldy + n0 + c, x_bf16, out[r][c] + (bias ? bias[n0 + c] : 0.f));
+    const int rest = 8 * grouped, C = M <= 4 ? 2 : 1, groups = (N - rest + C - 1) / C;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static) nowait
+        for (int g = 0; g < grouped; g++) {
+            const int n0 = 8 * g;
+            __m256 out[QB_MAX_ROWS];
+            GROUPS8[kind][M](w + n0 * wstride, &a, out);
+            for (int r = 0; r < M; r++) {
+                float v[8];
+                _mm256_storeu_ps(v, bias ? _mm256_add_ps(out[r], _mm256_loadu_ps(bias + n0)) : out[r]);
+                for (int c = 0; c < 8; c++) store(y, r * ldy + n0 + c, x_bf16, v[c]);
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            const int n0 = rest + g * C, cols = N - n0 < C ? N - n0 : C;
+            float out[QB_MAX_ROWS][2];
+            GROUPS[kind][M][cols - 1](w + n0 * wstride, wstride, &a, out);
+            for (int r = 0; r < M; r++)
+                for (int c = 0; c < cols; c++)
+                    store(y, r * ldy + n0 + c, x_bf16, out[r][c] + (bias ? bias[n0 + c] : 0.f));
+        }
     }
     free_acts(&a);
     return 0;
@@ -345,9 +443,30 @@ static void dequantize_row(const uint8_t *w, int kind, int K, float *out) {
     }
 }
 
-/* rows [N][row_bytes] -> out [N, K] float32 (row stride ldo) */
+/* Row j of a group of 8 interleaved rows (KIND_X8) back in GGUF's layout: row [row_bytes] */
+static void ungroup_row(const uint8_t *g, int kind, int K, int j, uint8_t *row) {
+    const int bb = BLOCK_BYTES[kind], head = X8_HEAD[kind], words = (bb - head / 8) / 4;
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *p = g + (int64_t)b * 8 * bb;
+        uint8_t *o = row + (int64_t)b * bb;
+        memcpy(o, p + 2 * j, 2);
+        if (kind == KIND_Q4_1) memcpy(o + 2, p + 16 + 2 * j, 2);
+        for (int t = 0; t < words; t++) memcpy(o + head / 8 + 4 * t, p + head + 32 * t + 4 * j, 4);
+    }
+}
+
+/* rows [N][row_bytes] (KIND_X8: grouped as linear_qblock reads them) -> out [N, K] float32 (row stride ldo) */
 void qblock_dequantize(const uint8_t *w, int kind, int N, int K, float *out, int64_t ldo, int threads) {
+    const int grouped = (kind & KIND_X8) ? N / 8 * 8 : 0;
+    kind &= ~KIND_X8;
     const int64_t wstride = qblock_row_bytes(kind, K);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int n = 0; n < N; n++) dequantize_row(w + n * wstride, kind, K, out + n * ldo);
+    #pragma omp parallel num_threads(threads)
+    {
+        uint8_t row[grouped ? wstride : 1];  /* a row's bytes: K / 32 blocks of at most 34 */
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            if (n < grouped) ungroup_row(w + (int64_t)(n / 8 * 8) * wstride, kind, K, n % 8, row);
+            dequantize_row(n < grouped ? row : w + n * wstride, kind, K, out + n * ldo);
+        }
+    }
 }
