@@ -27,7 +27,7 @@ from conftest import needs_kernel, write_hf_checkpoint
 from test_gguf import spm_vocab, tiny_hf, write_gguf
 from twospeed.schema import formats
 from twospeed.model.block_kinds import KINDS, BlockKind, quantize_kernel
-from twospeed.model.block_quant import FORMATS, QBLOCK_MAX_ROWS, BlockLinear, qblock_kernel
+from twospeed.model.block_quant import FORMATS, KIND_X8, QBLOCK_MAX_ROWS, BlockLinear, qblock_kernel
 from twospeed.model.loader import load_model
 from twospeed.model.weight_format import make_weight_format
 
@@ -86,6 +86,33 @@ def test_dequantizers_are_ggufs_bit_for_bit(name, rows, blocks, seed):
             out = torch.empty(rows, k)
             qblock_kernel().qblock_dequantize(data.data_ptr(), kind.code, rows, k, out.data_ptr(), k, 1)
             assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+@settings(max_examples=30)
+@given(name=st.sampled_from(GGUF_QUANTIZES), rows=st.integers(1, 27), blocks=st.integers(1, 3), seed=st.integers(0, 99))
+def test_grouped_rows_are_ggufs_bytes_in_the_kernels_order(name, rows, blocks, seed):
+    """group_rows (the decode kernel's layout) moves bytes only: row j of a group has its scale at bytes 2j of each
+    block's group and its 4-byte runs of quants at 4j of every 32; ungroup_rows and the C dequantizer undo it."""
+    kind = KINDS[name]
+    k = 32 * blocks
+    data = kind.quantize_portable(awkward_rows(rows, k, seed))
+    grouped = kind.group_rows(data)
+    assert grouped.shape == data.shape and torch.equal(kind.ungroup_rows(grouped), data)
+    assert torch.equal(grouped[rows // 8 * 8:], data[rows // 8 * 8:])  # the tail stays in GGUF's rows
+    bb, sb = kind.block_bytes, kind.scale_bytes
+    for g in range(rows // 8):
+        flat = grouped[8 * g:8 * g + 8].reshape(-1)
+        for j in range(8):
+            row = data[8 * g + j]
+            for b in range(blocks):
+                at = b * 8 * bb
+                assert torch.equal(flat[at + 2 * j:at + 2 * j + 2], row[b * bb:b * bb + 2])  # fp16 d
+                quants = flat[at + 8 * sb:at + 8 * bb].reshape(-1, 8, 4)[:, j].reshape(-1)
+                assert torch.equal(quants, row[b * bb + sb:(b + 1) * bb])
+    if qblock_kernel() is not None:
+        out = torch.empty(rows, k)
+        qblock_kernel().qblock_dequantize(grouped.data_ptr(), kind.code | KIND_X8, rows, k, out.data_ptr(), k, 2)
+        assert torch.equal(out.view(torch.int32), gguf_dequantize(kind, data, k).view(torch.int32))
 
 
 @QUANT_KERNEL
@@ -191,7 +218,10 @@ def test_a_wrong_scale_is_caught():
     lin = block_linear("q4_0", 16, 256, False)
     x = torch.randn(4, 256)
     y = lin.forward(x).double()
-    lin.weight.data[5, 18:20] = (lin.weight.data[5, 18:20].view(torch.float16) * 1.02).view(torch.uint8)
+    part = lin.parts[0]
+    rows = part.gguf_rows().clone()
+    rows[5, 18:20] = (rows[5, 18:20].view(torch.float16) * 1.02).view(torch.uint8)  # row 5, block 1's scale
+    part.data.copy_(part.kind.group_rows(rows) if part.grouped else rows)
     xq, _ = quantized_activations(x)
     w = lin.dequantized().double()
     assert not ((y - xq @ w.T).abs() <= float32_error(xq, w, 8)).all()
@@ -313,7 +343,7 @@ def test_gguf_format_keeps_every_tensor_as_stored(tmp_path):
     assert parts["layers.0.mlp.down_proj"] == [(64, "Q8_0")]  # Q6_K -> q8_0
     assert parts["layers.1.mlp.down_proj"] == [(64, "Q4_K")]
     assert parts["lm_head"] == [(len(spm_vocab()["tokens"]), "Q4_0")]
-    up = found["layers.0.mlp.gate_up_proj"].parts[0].data[256:]
+    up = found["layers.0.mlp.gate_up_proj"].parts[0].gguf_rows()[256:]
     assert torch.equal(up, torch.from_numpy(np.ascontiguousarray(written["blk.0.ffn_up.weight"][1])))
     assert model.weight_bytes() == sum(m.nbytes for m in found.values()) + sum(
         p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
@@ -364,6 +394,28 @@ def test_a_gguf_loaded_packed_decodes_as_loaded_dequantized(tmp_path, qtype):
         assert list(portable.token_ids) == list(ref.token_ids)
         assert [p.logprob for p in portable.logprobs] == [p.logprob for p in ref.logprobs]
         assert_close_greedy(ref, kernel, LOGPROB_TOL)
+
+
+@QUANT_KERNEL
+def test_auto_keeps_a_block_quantized_files_cache_in_bf16_packed_or_dequantized(tmp_path):
+    """dtype auto computing a block-quantized GGUF in float32 keeps its KV cache in bf16, as a bf16 checkpoint's,
+    whether the weights are kept packed or dequantized (so the portable path still decodes the dequantized load's
+    tokens); a file of float32 matrices keeps the compute dtype's cache."""
+    from twospeed import LLM, SamplingParams
+
+    packed, _ = gguf_file(tmp_path, lambda name: Q.Q4_0)
+    (tmp_path / "f32").mkdir()
+    floats, _ = gguf_file(tmp_path / "f32", lambda name: Q.F32)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = []
+    for path, kw, quantized in ((packed, {"quantization": "q4_0", "linear_backend": "torch"}, True),
+                                (packed, {}, True), (floats, {}, False)):
+        llm = LLM(str(path), skip_tokenizer_init=True, cost_probe=False, **kw)
+        half = quantized and llm.engine.dtype == torch.float32
+        assert llm.engine.memory().kv_cache_dtype == ("bf16" if half else "auto")
+        assert llm.engine.runner.kv_cache.dtype == (torch.bfloat16 if half else llm.engine.dtype)
+        tokens.append(list(llm.generate([[5, 9, 200, 31]], params)[0].token_ids))
+    assert tokens[0] == tokens[1]
 
 
 def test_loader_reads_blocks_only_for_linears_that_take_them(tmp_path):
