@@ -75,6 +75,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = field(default_factory=_float32)  # the checkpoint's own dtype
+    # weights stored in fewer bits than `dtype` (a block-quantized GGUF, which float32 holds exactly): what
+    # `kv_cache_dtype: auto` reads as a half-precision checkpoint (model/compute_dtype.py)
+    quantized_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

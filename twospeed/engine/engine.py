@@ -80,7 +80,8 @@ class LLMEngine:
             else:
                 log.info("this CPU has no fast %s kernels: computing in %s (set dtype to override)", stored, computed)
         if config.cache.kv_cache_dtype == "auto":
-            kv = auto_kv_cache_dtype(self.model_config.dtype, self.dtype, config.dtype == "auto")
+            kv = auto_kv_cache_dtype(self.model_config.dtype, self.dtype, config.dtype == "auto",
+                                     self.model_config.quantized_weights)
             if kv != "auto":
                 log.info("KV cache in %s, the checkpoint's dtype (kv_cache_dtype auto)", kv)
                 config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=kv))

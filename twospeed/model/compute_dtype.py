@@ -16,7 +16,8 @@ A checkpoint's dtype says how its weights are stored, not what the device multip
 The KV cache follows the checkpoint there too: a bf16 checkpoint computed in float32 because the CPU lacks bf16
 kernels keeps its K and V in bf16 (`kv_cache_dtype: auto` -> "bf16", model/kv_format.py), as every bf16 engine
 stores them: half the cache's bytes, so twice the tokens in the pool and half the bytes each decode step reads
-(the gain where the cache streams from memory: BENCHMARKS.md, CPU kernels).
+(the gain where the cache streams from memory: BENCHMARKS.md, CPU kernels). So does a GGUF file of block-quantized
+weights (float32 holds them exactly, and is what it computes in here): llama.cpp keeps such a model's cache in f16.
 An explicit `dtype` is always obeyed (LLMEngine; this module decides `auto` only); under an explicit float32
 the cache is float32 too.
 Input: the checkpoint's dtype and the device. Output: the dtype the weights, activations and KV cache use.
@@ -52,9 +53,11 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device: torch.device | str) -> tor
     return checkpoint_dtype
 
 
-def auto_kv_cache_dtype(checkpoint_dtype: torch.dtype, computed: torch.dtype, dtype_auto: bool) -> str:
-    """What `kv_cache_dtype: auto` stores: "bf16" for a bf16 checkpoint that `dtype: auto` computes in float32
-    (the module says why), else "auto" (the compute dtype)."""
-    if dtype_auto and checkpoint_dtype == torch.bfloat16 and computed == torch.float32:
+def auto_kv_cache_dtype(checkpoint_dtype: torch.dtype, computed: torch.dtype, dtype_auto: bool,
+                        quantized_weights: bool = False) -> str:
+    """What `kv_cache_dtype: auto` stores: "bf16" for a bf16 checkpoint, or one of block-quantized weights, that
+    `dtype: auto` computes in float32 (the module says why), else "auto" (the compute dtype)."""
+    half = checkpoint_dtype == torch.bfloat16 or quantized_weights
+    if dtype_auto and half and computed == torch.float32:
         return "bf16"
     return "auto"

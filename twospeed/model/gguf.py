@@ -36,6 +36,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM"}
 ROTARY_PERMUTED = {"llama", "mistral"}  # llama.cpp's converter reorders Q and K rows of these (see the module)
 LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_TYPES = LOADABLE_TYPES[3:]  # block formats: fewer bits a weight than any float
 
 _LAYER_PARTS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -177,6 +178,7 @@ class GGUFCheckpoint(Checkpoint):
             eos_token_ids=tuple(i for key in ("eos_token_id", "eot_token_id", "eom_token_id")
                                 if (i := self.metadata.get(f"tokenizer.ggml.{key}")) is not None),
             dtype=self._stored_dtype(),
+            quantized_weights=any(t.tensor_type.name in QUANTIZED_TYPES for t in self.tensors.values()),
         )
 
     def _uniform(self, key: str, default: int) -> int:
