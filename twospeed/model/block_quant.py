@@ -15,17 +15,17 @@ on arrival (as int8 is, model/quant.py). Formats (`quantization`):
   keeps one part per type and runs one kernel call per part.
 - every linear's input must be a multiple of 32 (a block): anything else is refused when the model is built.
 
-Three paths behind `BlockLinear.forward`, tested against each other and a float64 reference
+Two paths behind `BlockLinear.forward`, tested against each other and a float64 reference
 (tests/model/test_block_quant.py):
-- up to `QBLOCK_MAX_ROWS` rows (decode), float32 or bf16 activations on a CPU with AVX2 + FMA + F16C:
+- float32 or bf16 activations on a CPU with AVX2 + FMA + F16C, any number of rows (decode steps, prompt chunks):
   csrc/linear_qblock.c, llama.cpp's way: activations quantized to int8 per block of 32, integer dot products
-  against each weight block read once per step. Where it runs, Q8_0/Q4_0/Q4_1 parts hold their rows grouped by 8
-  (BlockKind.group_rows: the same bytes, the kernel's order; `BlockPart.gguf_rows` gives GGUF's back). Bound per output: sum over blocks of max|x_b| / 254 times
-  sum_b |w| (the activations' rounding), plus float32 summation.
-- more rows on that CPU: panels of rows dequantized to float32 in C (gguf's values, bit for bit) and torch's
-  BLAS: the weights' exact values, float32 summation only.
-- anywhere else (any device, any dtype: the portable path the kernels are checked against): dequantize in
-  torch, F.linear in float32, one rounding to the activations' dtype.
+  against each weight block, read from memory once per call. Bound per output: sum over blocks of max|x_b| / 254
+  times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, Q8_0/Q4_0/Q4_1 parts hold
+  their rows grouped by 8 (BlockKind.group_rows: the same bytes in the kernel's order; `BlockPart.gguf_rows` gives
+  GGUF's back). Prompt chunks take it too: on a 2-core AVX2 CPU it ran 16-2048-row products at 190-280 GFLOP/s
+  against 50-170 for the weights dequantized each call and torch's float32 BLAS (BENCHMARKS.md).
+- anywhere else (any device, any dtype: the portable path the kernel is checked against): dequantize in torch,
+  F.linear in float32, one rounding to the activations' dtype.
 """
 
 from __future__ import annotations
@@ -43,10 +43,7 @@ from twospeed.model.cbuild import load_library
 from twospeed.model.packed_linear import rows_2d
 from twospeed.model.weight_format import FormatLinear, GraphCall, ShapeMismatch, WeightFormat
 
-# Rows up to this many take the integer kernel (each weight block read once for all rows); more take dequantized
-# panels and the BLAS (the kernel's work grows with the rows, a GEMM's per-row cost falls).
-QBLOCK_MAX_ROWS = 8
-PANEL_FLOATS = 1 << 20  # float32 weights dequantized at a time on the BLAS path (4 MiB: stays in cache)
+QBLOCK_MAX_ROWS = 1 << 30  # rows the kernel takes in a call: any (the decode graph asks)
 KIND_X8 = 8  # csrc/linear_qblock.c: a part's rows grouped by 8 (BlockKind.group_rows)
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -54,7 +51,7 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 @lru_cache(maxsize=1)
 def qblock_kernel() -> ctypes.CDLL | None:
     """csrc/linear_qblock.c, built on first use (model/cbuild.py); None without a compiler or AVX2 + FMA + F16C."""
-    lib = load_library("linear_qblock", {"qblock_dequantize": [_P, _I, _I, _I, _P, _L, _I]})
+    lib = load_library("linear_qblock", {})
     if lib is not None:
         lib.linear_qblock.argtypes = [_P, _L, _I, _P, _I, _P, _P, _L, _I, _I, _I, _I]
         lib.linear_qblock.restype = ctypes.c_int
@@ -213,13 +210,11 @@ class BlockLinear(FormatLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt.use_kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            if x.numel() <= QBLOCK_MAX_ROWS * self.in_features:
-                return self.kernel(x)
-            return self.widened(x)
+            return self.kernel(x)
         return self.portable(x)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """csrc/linear_qblock.c, one call per part (each writes its columns of y), up to QBLOCK_MAX_ROWS rows."""
+        """csrc/linear_qblock.c, one call per part (each writes its columns of y)."""
         lead = x.shape[:-1]
         x2 = rows_2d(x, self.in_features)
         m = x2.shape[0]
@@ -233,24 +228,6 @@ class BlockLinear(FormatLinear):
                                      y[:, start:].data_ptr(), y.stride(0), m, rows, self.in_features, threads):
                     raise MemoryError(f"linear_qblock: no memory for {m} x {self.in_features} quantized activations")
         return y.view(*lead, self.out_features)
-
-    def widened(self, x: torch.Tensor) -> torch.Tensor:
-        """Panels of rows dequantized to float32 in C, multiplied by torch's BLAS: the prefill path."""
-        lead = x.shape[:-1]
-        xf = rows_2d(x, self.in_features).float()
-        y = torch.empty(xf.shape[0], self.out_features, dtype=torch.float32)
-        step = max(8, PANEL_FLOATS // self.in_features // 8 * 8)  # whole groups of 8 rows
-        panel = torch.empty(min(step, self.out_features), self.in_features, dtype=torch.float32)
-        lib, threads = qblock_kernel(), torch.get_num_threads()
-        for part in self.parts:
-            for r0 in range(part.rows.start, part.rows.stop, step):
-                n = min(step, part.rows.stop - r0)
-                lib.qblock_dequantize(part.data[r0 - part.rows.start].data_ptr(), part.code, n,
-                                      self.in_features, panel.data_ptr(), self.in_features, threads)
-                y[:, r0:r0 + n] = xf @ panel[:n].T
-        if self.bias32 is not None:
-            y += self.bias32
-        return y.to(x.dtype).view(*lead, self.out_features)
 
     def portable(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in float32 over the dequantized weight, one rounding to x's dtype: the reference path."""

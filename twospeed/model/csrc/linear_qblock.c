@@ -5,9 +5,10 @@
  * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values;
  * Q8_0, Q4_0 and Q4_1 may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's order.
  *
- * Decode-sized steps (linear_qblock, up to QB_MAX_ROWS rows) run as llama.cpp's CPU path does: each activation
+ * Decode steps and the prompt chunks beside them (linear_qblock, any number of rows; model/block_quant.py's
+ * QBLOCK_MAX_ROWS says how many go here) run as llama.cpp's CPU path does: each activation
  * row is quantized to int8 per block of 32 (a float32 scale dx = max|x| / 127 per block, q = nearest(x / dx)),
- * and every weight block, read once, is multiplied by the activation blocks of all rows in integers
+ * and every weight block, read once, is multiplied by the activation blocks of QB_PASS rows at a time in integers
  * (vpmaddubsw + vpmaddwd, or one vpdpbusd where the CPU has VNNI: exact int32 sums of 32 products), scaled in
  * float32:
  *
@@ -22,8 +23,9 @@
  * the bound tests/test_block_quant.py holds the kernel to against a float64 reference. Each output row's sums
  * run in the same order whatever the other rows of the step, so a row's result does not depend on its batch.
  *
- * Prefill-sized steps are a GEMM's job: qblock_dequantize widens a panel of rows to float32 (the same values as
- * gguf's dequantizer, bit for bit: separate multiplies and adds, no FMA contraction) for torch's BLAS.
+ * Past QB_PASS rows each thread keeps its groups of weight rows in cache while every QB_PASS activation rows of a
+ * tile pass by: the weights come from memory once per call, and a prompt chunk costs its integer products (about
+ * twice the float32 FMAs' rate on AVX2; no float32 copy of the weights).
  *
  * w [N][row_bytes] (row_bytes = K / block * block_bytes), x [M, K] float32 or bf16 (row stride ldx), bias [N]
  * float32 or NULL, y [M, N] float32 or bf16 (row stride ldy; bf16 rounded to nearest even once, after the bias).
@@ -33,7 +35,7 @@
 #error "twospeed-unsupported: needs AVX2, FMA and F16C (avx2, fma, f16c)"
 #endif
 /* Sums in the order written, products rounded where written (FMA only where an intrinsic says so): so a row's
- * result is the same whichever (rows x columns) instantiation computes it, and the dequantizer matches gguf's. */
+ * result is the same whichever (rows x columns) instantiation computes it. */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include <immintrin.h>
 #include <stdint.h>
@@ -48,11 +50,10 @@
 #define KIND_Q4_1 2
 #define KIND_Q4_K 3
 #define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1: the rows stored in groups of 8 interleaved (below) */
-#define QB_MAX_ROWS 8
+#define QB_PASS 8  /* activation rows a kernel instantiation keeps in registers */
+#define QB_TILE_BYTES 24576  /* int8 activations a tile of rows holds (L1: 32-48 KiB) */
 
 static const int BLOCK[4] = {32, 32, 32, 256}, BLOCK_BYTES[4] = {34, 18, 20, 144};
-
-int qblock_max_rows(void) { return QB_MAX_ROWS; }
 
 int64_t qblock_row_bytes(int kind, int K) { return (int64_t)(K / BLOCK[kind]) * BLOCK_BYTES[kind]; }
 
@@ -108,16 +109,23 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *q, float *d, fl
     }
 }
 
-static int quantize_acts(const void *x, int64_t ldx, int bf16, int M, int K, Acts *a) {
+static int quantize_acts(const void *x, int64_t ldx, int bf16, int M, int K, Acts *a, int threads) {
     a->nb = K / 32;
     a->q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
     a->d = malloc(sizeof(float) * (size_t)M * a->nb);
     a->s = malloc(sizeof(float) * (size_t)M * a->nb);
     if (!a->q || !a->d || !a->s) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > QB_PASS)
     for (int m = 0; m < M; m++)
         quantize_row((const char *)x + (bf16 ? 2 : 4) * (int64_t)m * ldx, bf16, K, a->q + (int64_t)m * K,
                      a->d + m * a->nb, a->s + m * a->nb);
     return 0;
+}
+
+/* rows [r0, r0 + QB_PASS) of a's as their own Acts */
+static inline Acts acts_from(const Acts *a, int r0) {
+    const Acts sub = {a->q + (int64_t)r0 * a->nb * 32, a->d + (int64_t)r0 * a->nb, a->s + (int64_t)r0 * a->nb, a->nb};
+    return sub;
 }
 
 static void free_acts(Acts *a) { free(a->q); free(a->d); free(a->s); }
@@ -157,10 +165,10 @@ static inline __m256i dot32(const int is_signed, const __m256i w, const __m256i 
 
 /* R activation rows x C consecutive weight rows (compile-time constants where inlined), 32-blocks */
 static inline __attribute__((always_inline)) void rows32(const int kind, const int R, const int C, const uint8_t *w,
-                                                         int64_t wstride, const Acts *a, float out[QB_MAX_ROWS][2]) {
+                                                         int64_t wstride, const Acts *a, float out[QB_PASS][2]) {
     const int is_signed = kind != KIND_Q4_1, bb = BLOCK_BYTES[kind];
-    __m256 acc[QB_MAX_ROWS][2];
-    float macc[QB_MAX_ROWS][2];
+    __m256 acc[QB_PASS][2];
+    float macc[QB_PASS][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) { acc[r][c] = _mm256_setzero_ps(); macc[r][c] = 0.f; }
     for (int64_t b = 0; b < a->nb; b++) {
@@ -203,14 +211,14 @@ static inline __m256 u8x8_ps(const uint8_t *p) {
 
 /* R activation rows x C weight rows, Q4_K super-blocks: 8 sub-blocks of 32, each w = (d sc_j) q - (dmin m_j) */
 static inline __attribute__((always_inline)) void rows_k(const int R, const int C, const uint8_t *w, int64_t wstride,
-                                                         const Acts *a, float out[QB_MAX_ROWS][2]) {
+                                                         const Acts *a, float out[QB_PASS][2]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[QB_MAX_ROWS][2];
+    __m256 acc[QB_PASS][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const int64_t nsb = a->nb / 8;
     for (int64_t sb = 0; sb < nsb; sb++) {
-        float coef[QB_MAX_ROWS][2][8] __attribute__((aligned(32)));  /* d sc_j dx_j per row and weight row */
+        float coef[QB_PASS][2][8] __attribute__((aligned(32)));  /* d sc_j dx_j per row and weight row */
         const uint8_t *qs[2];
         for (int c = 0; c < C; c++) {
             const uint8_t *p = w + c * wstride + sb * 144;
@@ -277,10 +285,10 @@ static inline __m256i bcast4(const int8_t *x) {
 }
 
 static inline __attribute__((always_inline)) void group8(const int kind, const int R, const uint8_t *g,
-                                                         const Acts *a, __m256 out[QB_MAX_ROWS]) {
+                                                         const Acts *a, __m256 out[QB_PASS]) {
     const int gb = 8 * BLOCK_BYTES[kind], head = X8_HEAD[kind];
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[QB_MAX_ROWS];
+    __m256 acc[QB_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
         const uint8_t *p = g + b * gb, *q = p + head;
@@ -321,7 +329,7 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
 }
 
 #define DEFINE_GROUP8(NAME, KIND, R) \
-    static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_MAX_ROWS]) { group8(KIND, R, g, a, out); }
+    static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_PASS]) { group8(KIND, R, g, a, out); }
 #define DEFINE_KIND8(K, KIND)                                                                                     \
     DEFINE_GROUP8(x8_##K##_1, KIND, 1) DEFINE_GROUP8(x8_##K##_2, KIND, 2) DEFINE_GROUP8(x8_##K##_3, KIND, 3)      \
     DEFINE_GROUP8(x8_##K##_4, KIND, 4) DEFINE_GROUP8(x8_##K##_5, KIND, 5) DEFINE_GROUP8(x8_##K##_6, KIND, 6)      \
@@ -330,10 +338,10 @@ DEFINE_KIND8(q8_0, KIND_Q8_0)
 DEFINE_KIND8(q4_0, KIND_Q4_0)
 DEFINE_KIND8(q4_1, KIND_Q4_1)
 
-typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_MAX_ROWS]);
+typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_PASS]);
 #define KIND8_TABLE(K) {NULL, x8_##K##_1, x8_##K##_2, x8_##K##_3, x8_##K##_4, x8_##K##_5, x8_##K##_6, x8_##K##_7, \
                         x8_##K##_8}
-static const Group8 GROUPS8[3][QB_MAX_ROWS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1)};
+static const Group8 GROUPS8[3][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1)};
 
 static inline void store(void *y, int64_t at, int bf16, float v) {
     if (bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
@@ -343,7 +351,7 @@ static inline void store(void *y, int64_t at, int bf16, float v) {
 /* One instantiation per (kind, R, C): every loop above unrolls over registers. Two weight rows at a time for up to
  * 4 activation rows (more independent FMA chains for a lone decode row), one beyond. */
 #define DEFINE_GROUP(NAME, KIND, R, C)                                                                           \
-    static void NAME(const uint8_t *w, int64_t wstride, const Acts *a, float out[QB_MAX_ROWS][2]) {          \
+    static void NAME(const uint8_t *w, int64_t wstride, const Acts *a, float out[QB_PASS][2]) {          \
         if (KIND == KIND_Q4_K) rows_k(R, C, w, wstride, a, out);                                              \
         else rows32(KIND, R, C, w, wstride, a, out);                                                          \
     }
@@ -357,44 +365,57 @@ DEFINE_KIND(q4_0, KIND_Q4_0)
 DEFINE_KIND(q4_1, KIND_Q4_1)
 DEFINE_KIND(q4_k, KIND_Q4_K)
 
-typedef void (*Group)(const uint8_t *, int64_t, const Acts *, float[QB_MAX_ROWS][2]);
+typedef void (*Group)(const uint8_t *, int64_t, const Acts *, float[QB_PASS][2]);
 #define KIND_TABLE(K)                                                                                            \
     {{NULL, NULL}, {g_##K##_1_1, g_##K##_1_2}, {g_##K##_2_1, g_##K##_2_2}, {g_##K##_3_1, g_##K##_3_2},            \
      {g_##K##_4_1, g_##K##_4_2}, {g_##K##_5_1, NULL}, {g_##K##_6_1, NULL}, {g_##K##_7_1, NULL}, {g_##K##_8_1, NULL}}
-static const Group GROUPS[4][QB_MAX_ROWS + 1][2] = {KIND_TABLE(q8_0), KIND_TABLE(q4_0), KIND_TABLE(q4_1),
+static const Group GROUPS[4][QB_PASS + 1][2] = {KIND_TABLE(q8_0), KIND_TABLE(q4_0), KIND_TABLE(q4_1),
                                                     KIND_TABLE(q4_k)};
 
-/* y = x W^T + bias for M <= QB_MAX_ROWS rows. Returns 0, or -1 if M is out of range or memory ran out. */
+/* y = x W^T + bias for M >= 1 rows. Each thread takes groups of weight rows and runs every QB_PASS activation
+ * rows past them in turn, so a group's bytes come from memory once per call and from cache after: past 8 rows a
+ * call costs its integer products, not M / 8 passes over the weights. Returns 0, or -1 if M < 1 or memory ran out. */
 int linear_qblock(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int kind, const float *bias, void *y,
                   int64_t ldy, int M, int N, int K, int threads) {
-    if (M < 1 || M > QB_MAX_ROWS) return -1;
+    if (M < 1) return -1;
     Acts a;
-    if (quantize_acts(x, ldx, x_bf16, M, K, &a) != 0) { free_acts(&a); return -1; }
+    if (quantize_acts(x, ldx, x_bf16, M, K, &a, threads) != 0) { free_acts(&a); return -1; }
     const int grouped = (kind & KIND_X8) ? N / 8 : 0;  /* groups of 8 interleaved rows, then rows in GGUF's layout */
     kind &= ~KIND_X8;
     const int64_t wstride = qblock_row_bytes(kind, K);
     const int rest = 8 * grouped, C = M <= 4 ? 2 : 1, groups = (N - rest + C - 1) / C;
+    /* rows a tile: their int8 activations fit in L1 beside a group's weights */
+    const int tile = K * QB_PASS > QB_TILE_BYTES ? QB_PASS : QB_TILE_BYTES / K / QB_PASS * QB_PASS;
     #pragma omp parallel num_threads(threads)
-    {
+    for (int t0 = 0; t0 < M; t0 += tile) {  /* static schedules: a thread keeps its groups (in its cache) each tile */
+        const int t1 = M - t0 < tile ? M : t0 + tile;
         #pragma omp for schedule(static) nowait
         for (int g = 0; g < grouped; g++) {
             const int n0 = 8 * g;
-            __m256 out[QB_MAX_ROWS];
-            GROUPS8[kind][M](w + n0 * wstride, &a, out);
-            for (int r = 0; r < M; r++) {
-                float v[8];
-                _mm256_storeu_ps(v, bias ? _mm256_add_ps(out[r], _mm256_loadu_ps(bias + n0)) : out[r]);
-                for (int c = 0; c < 8; c++) store(y, r * ldy + n0 + c, x_bf16, v[c]);
+            for (int r0 = t0; r0 < t1; r0 += QB_PASS) {
+                const int R = t1 - r0 < QB_PASS ? t1 - r0 : QB_PASS;
+                const Acts sub = acts_from(&a, r0);
+                __m256 out[QB_PASS];
+                GROUPS8[kind][R](w + n0 * wstride, &sub, out);
+                for (int r = 0; r < R; r++) {
+                    float v[8];
+                    _mm256_storeu_ps(v, bias ? _mm256_add_ps(out[r], _mm256_loadu_ps(bias + n0)) : out[r]);
+                    for (int c = 0; c < 8; c++) store(y, (r0 + r) * ldy + n0 + c, x_bf16, v[c]);
+                }
             }
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int g = 0; g < groups; g++) {
             const int n0 = rest + g * C, cols = N - n0 < C ? N - n0 : C;
-            float out[QB_MAX_ROWS][2];
-            GROUPS[kind][M][cols - 1](w + n0 * wstride, wstride, &a, out);
-            for (int r = 0; r < M; r++)
-                for (int c = 0; c < cols; c++)
-                    store(y, r * ldy + n0 + c, x_bf16, out[r][c] + (bias ? bias[n0 + c] : 0.f));
+            for (int r0 = t0; r0 < t1; r0 += QB_PASS) {
+                const int R = t1 - r0 < QB_PASS ? t1 - r0 : QB_PASS;
+                const Acts sub = acts_from(&a, r0);
+                float out[QB_PASS][2];
+                GROUPS[kind][R][cols - 1](w + n0 * wstride, wstride, &sub, out);
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < cols; c++)
+                        store(y, (r0 + r) * ldy + n0 + c, x_bf16, out[r][c] + (bias ? bias[n0 + c] : 0.f));
+            }
         }
     }
     free_acts(&a);
@@ -405,73 +426,4 @@ int linear_qblock(const void *x, int64_t ldx, int x_bf16, const uint8_t *w, int 
 int qblock_graph_linear(const GraphLinear *op, const float *x, int64_t ldx, float *y, int64_t ldy, int M,
                         int threads) {
     return linear_qblock(x, ldx, 0, op->w, op->kind, op->bias, y, ldy, M, op->N, op->K, threads);
-}
-
-/* ---- dequantize rows to float32 for the BLAS: gguf's arithmetic, each product and sum rounded on its own ---- */
-
-static void dequantize_row(const uint8_t *w, int kind, int K, float *out) {
-    const int bb = BLOCK_BYTES[kind];
-    if (kind == KIND_Q4_K) {
-        for (int sb = 0; sb < K / 256; sb++) {
-            const uint8_t *p = w + sb * 144;
-            uint8_t sm[16];
-            scales_k(p + 4, sm);
-            const float d = f16(p), dmin = f16(p + 2);
-            for (int j = 0; j < 8; j++) {
-                const float dj = d * (float)sm[j], mj = dmin * (float)sm[8 + j];
-                const uint8_t *q = p + 16 + 32 * (j / 2);
-                const int shift = 4 * (j % 2);
-                float *o = out + 256 * sb + 32 * j;
-                for (int i = 0; i < 32; i++) o[i] = dj * (float)((q[i] >> shift) & 15) - mj;
-            }
-        }
-        return;
-    }
-    for (int b = 0; b < K / 32; b++) {
-        const uint8_t *p = w + b * bb;
-        const float d = f16(p);
-        float *o = out + 32 * b;
-        if (kind == KIND_Q8_0) {
-            for (int i = 0; i < 32; i++) o[i] = (float)(int8_t)p[2 + i] * d;
-        } else if (kind == KIND_Q4_0) {
-            for (int i = 0; i < 16; i++) {
-                o[i] = d * (float)((p[2 + i] & 15) - 8);
-                o[i + 16] = d * (float)((p[2 + i] >> 4) - 8);
-            }
-        } else {
-            const float m = f16(p + 2);
-            for (int i = 0; i < 16; i++) {
-                o[i] = d * (float)(p[4 + i] & 15) + m;
-                o[i + 16] = d * (float)(p[4 + i] >> 4) + m;
-            }
-        }
-    }
-}
-
-/* Row j of a group of 8 interleaved rows (KIND_X8) back in GGUF's layout: row [row_bytes] */
-static void ungroup_row(const uint8_t *g, int kind, int K, int j, uint8_t *row) {
-    const int bb = BLOCK_BYTES[kind], head = X8_HEAD[kind], words = (bb - head / 8) / 4;
-    for (int b = 0; b < K / 32; b++) {
-        const uint8_t *p = g + (int64_t)b * 8 * bb;
-        uint8_t *o = row + (int64_t)b * bb;
-        memcpy(o, p + 2 * j, 2);
-        if (kind == KIND_Q4_1) memcpy(o + 2, p + 16 + 2 * j, 2);
-        for (int t = 0; t < words; t++) memcpy(o + head / 8 + 4 * t, p + head + 32 * t + 4 * j, 4);
-    }
-}
-
-/* rows [N][row_bytes] (KIND_X8: grouped as linear_qblock reads them) -> out [N, K] float32 (row stride ldo) */
-void qblock_dequantize(const uint8_t *w, int kind, int N, int K, float *out, int64_t ldo, int threads) {
-    const int grouped = (kind & KIND_X8) ? N / 8 * 8 : 0;
-    kind &= ~KIND_X8;
-    const int64_t wstride = qblock_row_bytes(kind, K);
-    #pragma omp parallel num_threads(threads)
-    {
-        uint8_t row[grouped ? wstride : 1];  /* a row's bytes: K / 32 blocks of at most 34 */
-        #pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            if (n < grouped) ungroup_row(w + (int64_t)(n / 8 * 8) * wstride, kind, K, n % 8, row);
-            dequantize_row(n < grouped ? row : w + n * wstride, kind, K, out + n * ldo);
-        }
-    }
 }
