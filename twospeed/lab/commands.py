@@ -174,6 +174,8 @@ def add_gate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=d.alpha, help="significance of a gate-pass drop (paired, one-sided)")
     p.add_argument("--latency-tolerance", type=float, default=d.latency_tolerance,
                    help="relative latency loss allowed beyond the noise (0.10 = 10%%)")
+    p.add_argument("--max-probe-kl", type=float, default=d.max_probe_kl,
+                   help="a lane whose probes' mean KL from the baseline (nats) exceeds this is no-ship")
     p.add_argument("--baseline-run", help="reuse a saved baseline run folder (OUT/baseline of an earlier gate)")
 
 

@@ -49,6 +49,7 @@ class GateConfig:
     top_logprobs: int = 20  # top-k of each probe's distribution (the API's limit)
     alpha: float = 0.05  # significance of "gate pass dropped beyond the noise" (one-sided, paired)
     latency_tolerance: float = 0.10  # a latency must be worse by more than this (relative), beyond the noise
+    max_probe_kl: float = 1.0  # a lane's mean probe KL (nats) above this is no-ship (gate_verdict.py says why)
     baseline_run: str | None = None  # a saved baseline run folder to reuse instead of serving the baseline
     ready_timeout: float = 300.0  # seconds a server may take to start (the first demo build trains or writes)
     baseline_flags: list[str] = field(default_factory=list)
@@ -61,8 +62,10 @@ class GateConfig:
             if bad:
                 raise ValueError(f"--{name}: {', '.join(bad)} is set by the gate (use --model for both sides)")
             setattr(self, f"{name}_flags", flags)
-        if self.requests < 1 or self.probes_per_lane < 0 or not 0 < self.alpha < 1 or self.latency_tolerance < 0:
-            raise ValueError("need requests >= 1, probes_per_lane >= 0, 0 < alpha < 1, latency_tolerance >= 0")
+        if (self.requests < 1 or self.probes_per_lane < 0 or not 0 < self.alpha < 1 or self.latency_tolerance < 0
+                or not self.max_probe_kl > 0):
+            raise ValueError("need requests >= 1, probes_per_lane >= 0, 0 < alpha < 1, latency_tolerance >= 0, "
+                             "max_probe_kl > 0")
         if not 1 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in 1..20, got {self.top_logprobs}")
 
@@ -132,13 +135,15 @@ def _paired(base: dict, cand: dict, lane: str) -> tuple[list[dict], list[dict]]:
     return [b[k] for k in keys], [c[k] for k in keys]
 
 
-def lane_report(lane: str, base: Side, cand: Side, counter, cfg: GateConfig, greedy: bool) -> dict:
+def lane_report(lane: str, base: Side, cand: Side, counter, cfg: GateConfig, greedy: bool,
+                probe: dict | None) -> dict:
     rb, rc = _paired(base.doc, cand.doc, lane)
     sb, sc = base.doc["lanes"][lane], cand.doc["lanes"][lane]
     drop = gate_verdict.mcnemar_drop([r["gate_passed"] for r in rb], [r["gate_passed"] for r in rc])
     slower = {label: gate_verdict.paired_slower([r[field] for r in rb], [r[field] for r in rc], cfg.latency_tolerance)
               for label, _, _, field in gate_verdict.LATENCY}
-    judgement = gate_verdict.judge_lane(lane, sb, sc, drop, slower, cfg.alpha, cfg.latency_tolerance)
+    judgement = gate_verdict.judge_lane(lane, sb, sc, drop, slower, cfg.alpha, cfg.latency_tolerance, probe,
+                                        cfg.max_probe_kl)
     if sb["gate"]["rate"] is not None and sb["gate"]["rate"] < 0.5:
         judgement.notes.append(f"the baseline passes only {sb['gate']['rate']:.0%} of this lane's gate: it can "
                                "hardly show a regression here (a model that has learned the lane's format can)")
@@ -159,6 +164,7 @@ def lane_report(lane: str, base: Side, cand: Side, counter, cfg: GateConfig, gre
         "agreement": agreement,
         "kv_capacity": {side: gate_verdict.kv_capacity(s.doc["server"].get("memory"), length)
                         for side, s in (("baseline", base), ("candidate", cand))},
+        "probes": probe,
     }
 
 
@@ -175,8 +181,8 @@ def judge(cfg: GateConfig, base: Side, cand: Side, counter) -> dict:
     lanes = {}
     for lane in workload.lanes:
         if lane.name in base.doc["lanes"] and lane.name in cand.doc["lanes"]:
-            lanes[lane.name] = lane_report(lane.name, base, cand, counter, cfg, lane.temperature == 0)
-            lanes[lane.name]["probes"] = probe_lanes.get(lane.name)
+            lanes[lane.name] = lane_report(lane.name, base, cand, counter, cfg, lane.temperature == 0,
+                                           probe_lanes.get(lane.name))
     ship = bool(lanes) and all(v["verdict"]["ship"] for v in lanes.values())
     return {"gate_version": GATE_VERSION, "model": cfg.model, "workload": cfg.workload, "seed": cfg.seed,
             "requests": cfg.requests, "alpha": cfg.alpha, "latency_tolerance": cfg.latency_tolerance,

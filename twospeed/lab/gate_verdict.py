@@ -13,8 +13,13 @@ and the probe comparison (probes.py); `twospeed gate` (gate.py) runs them. Per l
   requests (same prompt, same send time), significantly many of them are slower by more than the tolerance
   (a one-sided sign test: P(X >= slower | X ~ Binomial(pairs, 1/2)) < alpha). The sign test is what keeps a
   handful of requests on a busy machine from reading as a regression: with under 5 pairs it cannot fire.
+- the model's next tokens: the mean KL (nats) of the candidate's next-token distributions from the baseline's on
+  the lane's probes (the baseline's own answer positions, teacher-forced). Above `max_probe_kl` the model itself
+  changed, whatever the lane's gate says: a lane whose answers a grammar shapes, or whose contract a broken model
+  keeps by chance (it never refuses, say), passes its gate on any weights. On SmolLM2 (BENCHMARKS.md) its own
+  4-bit blocks moved 0.002-0.006 nats, re-quantized into another 4-bit layout 0.13-0.17, a destroyed format 4.8.
 - reported, not judged: output tok/s, token agreement of greedy outputs (exact-match rate, where the first
-  divergence falls), top-1 agreement and KL on the probe set, KV capacity.
+  divergence falls), top-1 agreement on the probe set, KV capacity.
 """
 
 from __future__ import annotations
@@ -90,9 +95,9 @@ def _value(lane: dict, metric: str, q: str) -> tuple[float | None, list | None]:
 
 
 def judge_lane(name: str, base: dict, cand: dict, drop: dict, slower: dict[str, dict], alpha: float = 0.05,
-               latency_tolerance: float = 0.10) -> Judgement:
+               latency_tolerance: float = 0.10, probe: dict | None = None, max_probe_kl: float = 1.0) -> Judgement:
     """base, cand: the lane's summaries in the two runs; drop: mcnemar_drop over its paired gate results;
-    slower: paired_slower per LATENCY label over its paired requests."""
+    slower: paired_slower per LATENCY label over its paired requests; probe: probes.compare over the lane's probes."""
     j = Judgement(name, True)
     rb, rc = base["gate"]["rate"], cand["gate"]["rate"]
     rates = f"{_pct(rb)} -> {_pct(rc)}"
@@ -114,6 +119,13 @@ def judge_lane(name: str, base: dict, cand: dict, drop: dict, slower: dict[str, 
             j.reasons.append(f"latency got worse: {change}, beyond the noise")
         else:
             j.notes.append(f"{change}: within the noise")
+    if probe and probe.get("kl_mean") is not None:
+        moved = (f"probe KL mean {probe['kl_mean']:.3g} nats over {probe['probes']} probes (top-1 agreement "
+                 f"{_pct(probe['top1_agreement'])})")
+        if probe["kl_mean"] > max_probe_kl:
+            j.reasons.append(f"next-token distributions moved: {moved} > {max_probe_kl:g}")
+        else:
+            j.notes.append(f"next-token distributions held: {moved} <= {max_probe_kl:g}")
     if cand.get("errors", 0) > base.get("errors", 0):
         j.reasons.append(f"{cand['errors']} requests failed on the candidate ({base.get('errors', 0)} on the baseline)")
     j.ship = not j.reasons
