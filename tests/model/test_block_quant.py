@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from conftest import needs_kernel, write_hf_checkpoint
 from test_gguf import spm_vocab, tiny_hf, write_gguf
 from twospeed.schema import formats
-from twospeed.model.block_kinds import KINDS, BlockKind, quantize_kernel
+from twospeed.model.block_kinds import KINDS, BlockKind, BlockTensor, quantize_kernel
 from twospeed.model.block_quant import FORMATS, BlockLinear, qblock_kernel
 from twospeed.model.loader import load_model
 from twospeed.model.weight_format import make_weight_format
@@ -77,9 +77,10 @@ def test_dequantizers_are_ggufs_bit_for_bit(name, rows, blocks, seed):
     k = kind.block * blocks
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows * blocks, kind.block_bytes), dtype=torch.uint8, generator=g)
-    for at in (0, 2) if name in ("Q4_1", "Q4_K") else (0,):  # fp16 scale (and min) fields
+    for at in {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}.get(name, (0,)):  # fp16 scale (and min) fields
         raw[:, at:at + 2] = (torch.rand(rows * blocks, 1, generator=g) * 0.1 - 0.02).half().view(torch.uint8)
-    for data in (raw.reshape(rows, -1), kind.quantize_portable(awkward_rows(rows, k, seed))):
+    quantized = [] if name == "Q6_K" else [kind.quantize_portable(awkward_rows(rows, k, seed))]  # no Q6_K quantizer
+    for data in (raw.reshape(rows, -1), *quantized):
         want = gguf_dequantize(kind, data, k)
         assert torch.equal(kind.dequantize(data, k).view(torch.int32), want.view(torch.int32))
 
@@ -218,6 +219,40 @@ def test_a_prompt_chunk_takes_the_kernel_row_by_row(quantization):
     assert ((y.double() - exact).abs() <= float32_error(xq, w, 32)).all()
 
 
+def random_q6_k(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random Q6_K bytes [n, row_bytes] with small finite fp16 d (what a file holds, bit patterns aside)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * (k // 256), 210), dtype=torch.uint8, generator=g)
+    raw[:, 208:210] = (torch.rand(raw.shape[0], 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+@KERNEL
+@settings(max_examples=25)
+@given(n=st.integers(1, 20), supers=st.integers(1, 3), rows=st.integers(1, 20), bf16=st.booleans(),
+       seed=st.integers(0, 999))
+def test_q6_k_kept_as_stored_is_exact_for_its_quantized_activations(n, supers, rows, bf16, seed):
+    """`gguf` keeps a file's Q6_K tensor as stored: gguf's values, and the kernel within the bound."""
+    kind, k = KINDS["Q6_K"], 256 * supers
+    raw = random_q6_k(n, k, seed)
+    lin = FORMATS["gguf"](use_kernel=True).linear(k, n, False)
+    lin.load_weight(lin.weight, BlockTensor(kind, raw, (n, k)))
+    lin.finish_loading()
+    assert [p.kind.name for p in lin.parts] == ["Q6_K"] and lin.nbytes == raw.numel()
+    w = lin.dequantized()
+    assert torch.equal(w.view(torch.int32), gguf_dequantize(kind, raw, k).view(torch.int32))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    if bf16:
+        x = x.bfloat16()
+    y = lin.forward(x).double()
+    xq, _ = quantized_activations(x)
+    w = w.double()
+    assert ((y - xq @ w.T).abs() <= float32_error(xq, w, k // 32) + (bf16_step(y) if bf16 else 0)).all()
+    assert torch.equal(lin.forward(x[-1:]).double(), y[-1:])
+    with pytest.raises(ValueError, match="Q6_K"):
+        kind.quantize(torch.randn(2, 256))
+
+
 @KERNEL
 def test_a_wrong_scale_is_caught():
     """The bound has teeth: one weight block's scale off by 2% fails it."""
@@ -324,8 +359,8 @@ def test_a_gguf_loaded_packed_holds_the_bytes_quantizing_at_load_writes(tmp_path
 
 
 def mixed_types(name: str):
-    """Each layer's q/k/v in different types, so fused linears keep parts; every kept kind and three that are not
-    (Q5_0, Q6_K, F16: stored in q8_0)."""
+    """Each layer's q/k/v in different types, so fused linears keep parts; every kept kind (Q6_K among them) and two
+    that are not (Q5_0, F16: stored in q8_0)."""
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     table = {"attn_q": [Q.Q4_0, Q.Q8_0], "attn_k": [Q.Q4_0, Q.Q4_1], "attn_v": [Q.Q5_0, Q.Q4_1],
              "attn_output": [Q.Q8_0, Q.F16], "ffn_gate": [Q.Q4_1, Q.Q8_0], "ffn_up": [Q.Q4_1, Q.Q8_0],
@@ -346,7 +381,7 @@ def test_gguf_format_keeps_every_tensor_as_stored(tmp_path):
     assert parts["layers.1.self_attn.qkv_proj"] == [(q, "Q8_0"), (2 * kv, "Q4_1")]
     assert parts["layers.1.self_attn.o_proj"] == [(64, "Q8_0")]  # F16 -> q8_0
     assert parts["layers.0.mlp.gate_up_proj"] == [(512, "Q4_1")]
-    assert parts["layers.0.mlp.down_proj"] == [(64, "Q8_0")]  # Q6_K -> q8_0
+    assert parts["layers.0.mlp.down_proj"] == [(64, "Q6_K")]  # kept as stored
     assert parts["layers.1.mlp.down_proj"] == [(64, "Q4_K")]
     assert parts["lm_head"] == [(len(spm_vocab()["tokens"]), "Q4_0")]
     up = found["layers.0.mlp.gate_up_proj"].parts[0].gguf_rows()[256:]

@@ -8,6 +8,8 @@ GGUF file (llama.cpp's ggml-common.h) lays it out, so a tensor read from a file 
   Q4_1  32 weights in 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles        w = d q + m
   Q4_K  256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scale and min per 32, 128 bytes of
         nibbles                                                            w = (d sc_j) q - (dmin m_j)
+  Q6_K  256 weights in 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, an int8 scale per 16, fp16 d
+                                                                           w = (d sc_j) (q - 32)
 
 In the 32-blocks, byte i holds weight i (low nibble) and weight i + 16 (high); in Q4_K, 32 bytes hold two
 sub-blocks of 32 (low nibbles the first, high the second). `dequantize` computes what gguf's own
@@ -239,6 +241,33 @@ class Q4_K(BlockKind):
         return (d * q - dm).reshape(n, QK_K)
 
 
+class Q6_K(BlockKind):
+    """Read from GGUF files as stored (llama.cpp's Q4_K_M and Q5_K_M keep some tensors in it); no quantizer here:
+    a format that stores every linear in one kind never picks it."""
+
+    name, code = "Q6_K", 4
+    block, block_bytes = BLOCK_LAYOUTS[name]
+
+    def quantize(self, w: torch.Tensor) -> torch.Tensor:
+        raise ValueError("Q6_K is kept as a GGUF file stores it: twospeed does not quantize into it")
+
+    def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantize(x)
+
+    def _dequantize_blocks(self, b: torch.Tensor) -> torch.Tensor:
+        """gguf's order: per half of 128, 32-weight runs from the low nibbles of ql[0:32], ql[32:64], then their
+        high nibbles, each with 2 bits of qh[0:32] (bits 0-1, 2-3, 4-5, 6-7) on top; minus 32; times d * scale
+        per 16 (int8 scales)."""
+        n = b.shape[0]
+        ql = b[:, :128].reshape(n, 2, 1, 64)
+        ql = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(n, 8, 32)
+        qh = b[:, 128:192].reshape(n, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, 8, 32)
+        q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+        d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+        return (d * q).reshape(n, QK_K)
+
+
 def _scale_min_search(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """llama.cpp's make_qkx2_quants(32, 15, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20) with q4_K's weights
     (the sub-block's RMS plus |x|), for every sub-block x [n, 32]: (scale, -min, the levels it chose)."""
@@ -299,4 +328,4 @@ def _unpack_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-KINDS: dict[str, BlockKind] = {k.name: k for k in (Q8_0(), Q4_0(), Q4_1(), Q4_K())}
+KINDS: dict[str, BlockKind] = {k.name: k for k in (Q8_0(), Q4_0(), Q4_1(), Q4_K(), Q6_K())}

@@ -43,7 +43,7 @@ class WeightBytes:
 
 
 # GGUF's block layouts (model/block_kinds.py): type name -> (weights per block, bytes per block)
-BLOCK_LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
+BLOCK_LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def _block(kind: str) -> WeightBytes:

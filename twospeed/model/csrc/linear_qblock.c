@@ -1,7 +1,7 @@
-/* Linear layers over GGUF block-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q4_K), for AVX2 + FMA + F16C.
+/* Linear layers over GGUF block-quantized weights kept packed (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), for AVX2 + FMA + F16C.
  *
  * A decode step streams every weight once, so the bytes a weight costs set the step's floor: 1.06 bytes in Q8_0,
- * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1 (bf16: 2, float32: 4). The weights stay in GGUF's own layout
+ * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1, 0.82 in Q6_K (bf16: 2, float32: 4). The weights stay in GGUF's own layout
  * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values;
  * Q8_0, Q4_0 and Q4_1 may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's order.
  *
@@ -29,7 +29,7 @@
  *
  * w [N][row_bytes] (row_bytes = K / block * block_bytes), x [M, K] float32 or bf16 (row stride ldx), bias [N]
  * float32 or NULL, y [M, N] float32 or bf16 (row stride ldy; bf16 rounded to nearest even once, after the bias).
- * K is a multiple of 32 (256 for Q4_K); the caller checks.
+ * K is a multiple of 32 (256 for Q4_K and Q6_K); the caller checks.
  */
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "twospeed-unsupported: needs AVX2, FMA and F16C (avx2, fma, f16c)"
@@ -49,11 +49,12 @@
 #define KIND_Q4_0 1
 #define KIND_Q4_1 2
 #define KIND_Q4_K 3
+#define KIND_Q6_K 4
 #define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1: the rows stored in groups of 8 interleaved (below) */
 #define QB_PASS 8  /* activation rows a kernel instantiation keeps in registers */
 #define QB_TILE_BYTES 24576  /* int8 activations a tile of rows holds (L1: 32-48 KiB) */
 
-static const int BLOCK[4] = {32, 32, 32, 256}, BLOCK_BYTES[4] = {34, 18, 20, 144};
+static const int BLOCK[5] = {32, 32, 32, 256, 256}, BLOCK_BYTES[5] = {34, 18, 20, 144, 210};
 
 int64_t qblock_row_bytes(int kind, int K) { return (int64_t)(K / BLOCK[kind]) * BLOCK_BYTES[kind]; }
 
@@ -343,6 +344,56 @@ typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_PASS]);
                         x8_##K##_8}
 static const Group8 GROUPS8[3][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1)};
 
+/* R activation rows x C weight rows, Q6_K super-blocks: per half of 128 weights, ql[0:32] and ql[32:64]'s low nibbles
+ * then their high ones, each 32 with 2 bits of qh[0:32] on top (bits 0-1, 2-3, 4-5, 6-7), are weights 0-127 in order;
+ * w = d sc_j (q - 32), an int8 scale per 16. q (0..63) times x in vpmaddubsw, less 32 x in the same int16 pairs
+ * (|q - 32| x <= 32 x 127 a product: no saturation), widened to 8 int32 sums of 4: lanes 0-3 the first 16 weights,
+ * 4-7 the second, so one float32 vector of the two scales (4 lanes each) scales them. */
+static inline __attribute__((always_inline)) void rows_q6k(const int R, const int C, const uint8_t *w, int64_t wstride,
+                                                           const Acts *a, float out[QB_PASS][2]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), c32 = _mm256_set1_epi8(32);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[QB_PASS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const int64_t nsb = a->nb / 8;
+    for (int64_t sb = 0; sb < nsb; sb++)
+        for (int h = 0; h < 2; h++) {
+            __m256i q[2][4];
+            __m256 sc[2][4];
+            for (int c = 0; c < C; c++) {
+                const uint8_t *p = w + c * wstride + sb * 210, *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+                const int8_t *s = (const int8_t *)(p + 192) + 8 * h;
+                const float d = f16(p + 208);
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+                const __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                       _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+                for (int k = 0; k < 4; k++) {
+                    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), m2);
+                    q[c][k] = _mm256_or_si256(lo[k], _mm256_slli_epi16(top, 4));
+                    sc[c][k] = _mm256_set_m128(_mm_set1_ps(d * (float)s[2 * k + 1]), _mm_set1_ps(d * (float)s[2 * k]));
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < 4; k++) {
+                    const int64_t at = r * a->nb + sb * 8 + 4 * h + k;  /* the activations' 32-block */
+                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + at * 32));
+                    const __m256i x32 = _mm256_maddubs_epi16(c32, xq);
+                    const __m256 dx = _mm256_set1_ps(a->d[at]);
+                    for (int c = 0; c < C; c++) {
+                        const __m256i s16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[c][k], xq), x32);
+                        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(sc[c][k], dx), sum, acc[r][c]);
+                    }
+                }
+        }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = hsum(acc[r][c]);
+}
+
 static inline void store(void *y, int64_t at, int bf16, float v) {
     if (bf16) ((uint16_t *)y)[at] = f32_to_bf16(v);
     else ((float *)y)[at] = v;
@@ -353,6 +404,7 @@ static inline void store(void *y, int64_t at, int bf16, float v) {
 #define DEFINE_GROUP(NAME, KIND, R, C)                                                                           \
     static void NAME(const uint8_t *w, int64_t wstride, const Acts *a, float out[QB_PASS][2]) {          \
         if (KIND == KIND_Q4_K) rows_k(R, C, w, wstride, a, out);                                              \
+        else if (KIND == KIND_Q6_K) rows_q6k(R, C, w, wstride, a, out);                                       \
         else rows32(KIND, R, C, w, wstride, a, out);                                                          \
     }
 #define DEFINE_KIND(K, KIND)                                                                                     \
@@ -364,13 +416,14 @@ DEFINE_KIND(q8_0, KIND_Q8_0)
 DEFINE_KIND(q4_0, KIND_Q4_0)
 DEFINE_KIND(q4_1, KIND_Q4_1)
 DEFINE_KIND(q4_k, KIND_Q4_K)
+DEFINE_KIND(q6_k, KIND_Q6_K)
 
 typedef void (*Group)(const uint8_t *, int64_t, const Acts *, float[QB_PASS][2]);
 #define KIND_TABLE(K)                                                                                            \
     {{NULL, NULL}, {g_##K##_1_1, g_##K##_1_2}, {g_##K##_2_1, g_##K##_2_2}, {g_##K##_3_1, g_##K##_3_2},            \
      {g_##K##_4_1, g_##K##_4_2}, {g_##K##_5_1, NULL}, {g_##K##_6_1, NULL}, {g_##K##_7_1, NULL}, {g_##K##_8_1, NULL}}
-static const Group GROUPS[4][QB_PASS + 1][2] = {KIND_TABLE(q8_0), KIND_TABLE(q4_0), KIND_TABLE(q4_1),
-                                                    KIND_TABLE(q4_k)};
+static const Group GROUPS[5][QB_PASS + 1][2] = {KIND_TABLE(q8_0), KIND_TABLE(q4_0), KIND_TABLE(q4_1),
+                                                 KIND_TABLE(q4_k), KIND_TABLE(q6_k)};
 
 /* y = x W^T + bias for M >= 1 rows. Each thread takes groups of weight rows and runs every QB_PASS activation
  * rows past them in turn, so a group's bytes come from memory once per call and from cache after: past 8 rows a
