@@ -93,22 +93,53 @@ def part_kernels(cfg: Config, model_cfg, dtype: torch.dtype, bandwidth: float) -
         except ValueError as e:  # a width that is not whole blocks
             rows.append({"variant": name, "error": str(e)})
             continue
+        nbytes = sum(lin.nbytes for lin in linears) / len(linears)
         for m in (1, 8):
             xs = [torch.randn(m, lin.in_features, dtype=dtype) for lin in linears[:len(shapes)]]
-            for lin, x in zip(linears, xs * copies):  # warm-up: one pass
-                lin.forward(x)
-            t0, calls = time.perf_counter(), 0
-            while calls < cfg.kernel_calls:
-                for lin, x in zip(linears, xs * copies):
-                    lin.forward(x)
-                calls += len(linears)
-            dt = (time.perf_counter() - t0) / calls
-            nbytes = sum(lin.nbytes for lin in linears) / len(linears)
+            dt = time_calls([lin.forward for lin in linears], xs * copies, cfg.kernel_calls)
+            entries = [c_entry(lin, m) for lin in linears]
+            dc = None if None in entries else time_calls(entries, xs * copies, cfg.kernel_calls)
             rows.append({"variant": name, "rows": m, "us_per_call": dt * 1e6, "gb_s": nbytes / dt / 1e9,
-                         "of_copy": nbytes / dt / bandwidth, "describe": linears[0].describe()})
+                         "of_copy": nbytes / dt / bandwidth, "describe": linears[0].describe(),
+                         **({} if dc is None else {"c_us": dc * 1e6, "c_gb_s": nbytes / dc / 1e9,
+                                                   "c_of_copy": nbytes / dc / bandwidth})})
         del linears
         gc.collect()
     return rows
+
+
+def time_calls(fns: list, xs: list[torch.Tensor], at_least: int) -> float:
+    """Seconds per call of fns[i](xs[i]) cycled in order (one warm-up pass), over at least `at_least` calls."""
+    for fn, x in zip(fns, xs):
+        fn(x)
+    t0, calls = time.perf_counter(), 0
+    while calls < at_least:
+        for fn, x in zip(fns, xs):
+            fn(x)
+        calls += len(fns)
+    return (time.perf_counter() - t0) / calls
+
+
+def c_entry(lin, m: int):
+    """x [m, K] float32 -> lin's C kernels through the entries the decode graph calls (csrc/graph.h), without
+    the module's Python and torch dispatch (what the engine's decode steps pay); None where it has none."""
+    import ctypes
+
+    from twospeed.model.decode_graph import _Linear
+
+    calls = lin.graph_calls() if hasattr(lin, "graph_calls") else None
+    if not calls:
+        return None
+    run = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Linear), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_int, ctypes.c_int)
+    ops = [(run(c.run), _Linear(c.run, c.weight, c.scale, c.bias, c.col, c.kind, c.out_features, c.in_features))
+           for c in calls]
+    y, threads = torch.empty(m, lin.out_features), torch.get_num_threads()
+
+    def call(x: torch.Tensor) -> None:
+        for fn, op in ops:
+            fn(ctypes.byref(op), x.data_ptr(), x.stride(0), y.data_ptr() + 4 * op.col, y.stride(0), m, threads)
+    return call
 
 
 def make_linear(fmt, n: int, k: int, dtype: torch.dtype, stored: torch.dtype, seed: int):
@@ -214,10 +245,13 @@ def report(cfg: Config, path: str, probes: list, kernels: list[dict], engine: li
              f"{cfg.threads} threads; copy bandwidth (best of {len(probes)} probes) {bw / 1e9:.1f} GB/s "
              f"(read + write bytes).", ""]
     if kernels:
-        lines += table("| kernel | rows | us / call | GB/s read | of copy bandwidth | path |", [
-            f"| {r['variant']} | — | — | — | — | {r['error']} |" if "error" in r else
+        def c(r: dict) -> str:
+            return (f"{r['c_us']:.0f} | {r['c_gb_s']:.1f} | {r['c_of_copy']:.0%}" if "c_us" in r else "— | — | —")
+        lines += table("| kernel | rows | us / call | GB/s read | of copy bandwidth | C entry: us | GB/s | of copy "
+                       "| path |", [
+            f"| {r['variant']} | — | — | — | — | — | — | — | {r['error']} |" if "error" in r else
             f"| {r['variant']} | {r['rows']} | {r['us_per_call']:.0f} | {r['gb_s']:.1f} | {r['of_copy']:.0%} | "
-            f"{r['describe']} |" for r in kernels])
+            f"{c(r)} | {r['describe']} |" for r in kernels])
     if engine:
         lines += table("| variant | dtype | weights | TTFT | decode tok/s | x baseline | roofline |", [
             f"| {r['variant']} | {r['dtype']} | {r['weight_mb']:.0f} MB | {r['ttft_s'] * 1e3:.0f} ms | "
@@ -286,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernels or engine:  # fractions against the better of the two probes
         best = max(p.copy_bandwidth for p in probes)
         for r in kernels + engine:
-            for key in ("of_copy", "roofline"):
+            for key in ("of_copy", "c_of_copy", "roofline"):
                 if key in r:
                     r[key] *= bw / best
     served = []
