@@ -12,8 +12,8 @@ on arrival (as int8 is, model/quant.py). Formats (`quantization`):
 - `gguf`: a GGUF file as stored, what llama.cpp runs: each tensor keeps its own block type where it is one of
   the four above or Q6_K (which llama.cpp's Q4_K_M files hold beside Q4_K); a tensor in any other type
   (F16/BF16/F32, Q5_*, ...) is quantized to q8_0 from its exact values (error <= 1/254 of each block's largest
-  weight). A fused linear (q/k/v, gate/up) whose tensors differ
-  keeps one part per type and runs one kernel call per part.
+  weight). A fused linear (q/k/v, gate/up) whose tensors differ keeps one part per type and runs one kernel call
+  per part.
 - every linear's input must be a multiple of 32 (a block): anything else is refused when the model is built.
 
 Two paths behind `BlockLinear.forward`, tested against each other and a float64 reference
