@@ -86,12 +86,13 @@ def test_dequantizers_are_ggufs_bit_for_bit(name, rows, blocks, seed):
 
 
 @settings(max_examples=30)
-@given(name=st.sampled_from(GGUF_QUANTIZES), rows=st.integers(1, 27), blocks=st.integers(1, 3), seed=st.integers(0, 99))
+@given(name=st.sampled_from([*GGUF_QUANTIZES, "Q4_K"]), rows=st.integers(1, 27), blocks=st.integers(1, 3),
+       seed=st.integers(0, 99))
 def test_grouped_rows_are_ggufs_bytes_in_the_kernels_order(name, rows, blocks, seed):
     """group_rows (the kernel's layout) moves bytes only: row j of a group has its scale at bytes 2j of each block's
     group and its 4-byte runs of quants at 4j of every 32; ungroup_rows undoes it."""
     kind = KINDS[name]
-    k = 32 * blocks
+    k = kind.block * blocks
     data = kind.quantize_portable(awkward_rows(rows, k, seed))
     grouped = kind.group_rows(data)
     assert grouped.shape == data.shape and torch.equal(kind.ungroup_rows(grouped), data)

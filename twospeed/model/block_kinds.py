@@ -213,6 +213,7 @@ class Q4_1(BlockKind):
 class Q4_K(BlockKind):
     name, code = "Q4_K", 3
     block, block_bytes = BLOCK_LAYOUTS[name]
+    scale_bytes = 16
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

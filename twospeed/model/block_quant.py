@@ -21,9 +21,9 @@ Two paths behind `BlockLinear.forward`, tested against each other and a float64 
 - float32 or bf16 activations on a CPU with AVX2 + FMA + F16C, any number of rows (decode steps, prompt chunks):
   csrc/linear_qblock.c, llama.cpp's way: activations quantized to int8 per block of 32, integer dot products
   against each weight block, read from memory once per call. Bound per output: sum over blocks of max|x_b| / 254
-  times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, Q8_0/Q4_0/Q4_1 parts hold
+  times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, Q8_0/Q4_0/Q4_1/Q4_K parts hold
   their rows grouped by 8 (BlockKind.group_rows: the same bytes in the kernel's order; `BlockPart.gguf_rows` gives
-  GGUF's back). Prompt chunks take it too: on a 2-core AVX2 CPU it ran 16-2048-row products at 190-280 GFLOP/s
+  GGUF's back). Q4_K too, Q6_K not yet. Prompt chunks take it too: on a 2-core AVX2 CPU it ran 16-2048-row products at 190-280 GFLOP/s
   against 50-170 for the weights dequantized each call and torch's float32 BLAS (BENCHMARKS.md).
 - anywhere else (any device, any dtype: the portable path the kernel is checked against): dequantize in torch,
   F.linear in float32, one rounding to the activations' dtype.

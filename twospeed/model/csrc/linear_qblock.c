@@ -3,7 +3,8 @@
  * A decode step streams every weight once, so the bytes a weight costs set the step's floor: 1.06 bytes in Q8_0,
  * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1, 0.82 in Q6_K (bf16: 2, float32: 4). The weights stay in GGUF's own layout
  * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values;
- * Q8_0, Q4_0 and Q4_1 may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's order.
+ * Q8_0, Q4_0, Q4_1 and Q4_K may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's
+ * order.
  *
  * Decode steps and the prompt chunks beside them (linear_qblock, any number of rows; model/block_quant.py's
  * QBLOCK_MAX_ROWS says how many go here) run as llama.cpp's CPU path does: each activation
@@ -50,7 +51,7 @@
 #define KIND_Q4_1 2
 #define KIND_Q4_K 3
 #define KIND_Q6_K 4
-#define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1: the rows stored in groups of 8 interleaved (below) */
+#define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1, Q4_K: the rows stored in groups of 8 interleaved (below) */
 #define QB_PASS 8  /* activation rows a kernel instantiation keeps in registers */
 #define QB_TILE_BYTES 24576  /* int8 activations a tile of rows holds (L1: 32-48 KiB) */
 
@@ -273,7 +274,7 @@ static inline __attribute__((always_inline)) void rows_k(const int R, const int 
  * unsigned nibbles: 16 products of a lane stay within int16 (16 x 15 x 127 < 2^15) and are widened once a block.
  * Each row's sums still run in one order whatever the rows beside it, and the products with the quantized
  * activations are exact: the bound above holds unchanged. */
-static const int X8_HEAD[3] = {16, 16, 32};  /* bytes of scales (and mins) before the quants, per group and block */
+static const int X8_HEAD[4] = {16, 16, 32, 128};  /* bytes of scales (and mins) before the quants, per group and block */
 /* A batch-1 step streams the weights from memory at the rate its loads are in flight: asking for the group-blocks
  * this far ahead (6-10 of them) took the kernel from 17-20 to 20-24 GB/s on a 2-core Zen 3 whose plain read loop
  * reads 24-28. Past the end of the weights a prefetch is dropped, not a fault. */
@@ -329,8 +330,54 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-#define DEFINE_GROUP8(NAME, KIND, R) \
-    static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_PASS]) { group8(KIND, R, g, a, out); }
+/* Q4_K grouped: per super-block, the 8 rows' d, then dmin, then their 12 scale bytes two at a time (16 bytes per
+ * pair), then the quants as the 32-blocks' (4 bytes of each row at a time), so sub-blocks 2i and 2i + 1 are the low
+ * and high nibbles of the same 8 loads. Each row's 6-bit scales and mins are unpacked once per super-block. */
+static inline __attribute__((always_inline)) void group8_k(const int R, const uint8_t *g, const Acts *a,
+                                                           __m256 out[QB_PASS]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[QB_PASS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t nsb = a->nb / 8;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *p = g + sb * 8 * 144, *q = p + 128;
+        for (int l = 0; l < 8 * 144; l += 64) _mm_prefetch((const char *)p + 8 * 144 + l, _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+        float scf[8][8] __attribute__((aligned(32))), mnf[8][8] __attribute__((aligned(32)));  /* [sub-block][row] */
+        for (int j = 0; j < 8; j++) {
+            uint8_t raw[12], sm[16];
+            for (int k = 0; k < 6; k++) memcpy(raw + 2 * k, p + 32 + 16 * k + 2 * j, 2);
+            scales_k(raw, sm);
+            for (int s = 0; s < 8; s++) { scf[s][j] = (float)sm[s]; mnf[s][j] = (float)sm[8 + s]; }
+        }
+        for (int sub = 0; sub < 8; sub++) {
+            const uint8_t *qi = q + 256 * (sub / 2);
+            __m256i w[8];
+            for (int t = 0; t < 8; t++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qi + 32 * t));
+                w[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+            }
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_load_ps(scf[sub])), dmn = _mm256_mul_ps(dmin, _mm256_load_ps(mnf[sub]));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = r * a->nb + sb * 8 + sub;
+                const int8_t *x = a->q + at * 32;
+                __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+                for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)));
+                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(a->d[at])), sum, acc[r]);
+                acc[r] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a->s[at]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+#define DEFINE_GROUP8(NAME, KIND, R)                                                                          \
+    static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_PASS]) {                                  \
+        if (KIND == KIND_Q4_K) group8_k(R, g, a, out);                                                        \
+        else group8(KIND, R, g, a, out);                                                                      \
+    }
 #define DEFINE_KIND8(K, KIND)                                                                                     \
     DEFINE_GROUP8(x8_##K##_1, KIND, 1) DEFINE_GROUP8(x8_##K##_2, KIND, 2) DEFINE_GROUP8(x8_##K##_3, KIND, 3)      \
     DEFINE_GROUP8(x8_##K##_4, KIND, 4) DEFINE_GROUP8(x8_##K##_5, KIND, 5) DEFINE_GROUP8(x8_##K##_6, KIND, 6)      \
@@ -338,11 +385,13 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
 DEFINE_KIND8(q8_0, KIND_Q8_0)
 DEFINE_KIND8(q4_0, KIND_Q4_0)
 DEFINE_KIND8(q4_1, KIND_Q4_1)
+DEFINE_KIND8(q4_k, KIND_Q4_K)
 
 typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_PASS]);
 #define KIND8_TABLE(K) {NULL, x8_##K##_1, x8_##K##_2, x8_##K##_3, x8_##K##_4, x8_##K##_5, x8_##K##_6, x8_##K##_7, \
                         x8_##K##_8}
-static const Group8 GROUPS8[3][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1)};
+static const Group8 GROUPS8[4][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1),
+                                               KIND8_TABLE(q4_k)};
 
 /* R activation rows x C weight rows, Q6_K super-blocks: per half of 128 weights, ql[0:32] and ql[32:64]'s low nibbles
  * then their high ones, each 32 with 2 bits of qh[0:32] on top (bits 0-1, 2-3, 4-5, 6-7), are weights 0-127 in order;
