@@ -269,8 +269,8 @@ static inline __attribute__((always_inline)) void rows_k(const int R, const int 
  *   the 8 rows' fp16 d (16 bytes); Q4_1: their 8 fp16 m (16 bytes);
  *   Q4_0/Q4_1: for t = 0..3, for row j = 0..7: bytes 4t..4t+3 of row j's 16 nibble bytes (128 bytes);
  *   Q8_0: for t = 0..7, for row j = 0..7: bytes 4t..4t+3 of row j's 32 int8 (256 bytes).
- * A part's first N / 8 * 8 rows are grouped; its last N % 8 rows follow in GGUF's layout (model/block_quant.py's
- * interleave writes this). Q4_0's q - 8 is folded into the min term (m = -8 d), so all three 4-bit sums are of
+ * A part's first N / 8 * 8 rows are grouped; its last N % 8 rows follow in GGUF's layout (model/block_kinds.py's
+ * BlockKind.group_rows writes this). Q4_0's q - 8 is folded into the min term (m = -8 d), so all three 4-bit sums are of
  * unsigned nibbles: 16 products of a lane stay within int16 (16 x 15 x 127 < 2^15) and are widened once a block.
  * Each row's sums still run in one order whatever the rows beside it, and the products with the quantized
  * activations are exact: the bound above holds unchanged. */
@@ -286,10 +286,18 @@ static inline __m256i bcast4(const int8_t *x) {
     return _mm256_set1_epi32(v);
 }
 
+/* 8 weight rows' 32 unsigned 4-bit values (w[t]: weights 4t..4t+3 of each row) times one activation row's 32 int8:
+ * the 8 rows' sums, exact, as float32 */
+static inline __m256 dot_u4_rows8(const __m256i w[8], const int8_t *x) {
+    __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+    for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+}
+
 static inline __attribute__((always_inline)) void group8(const int kind, const int R, const uint8_t *g,
                                                          const Acts *a, __m256 out[QB_PASS]) {
     const int gb = 8 * BLOCK_BYTES[kind], head = X8_HEAD[kind];
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[QB_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a->nb; b++) {
@@ -311,18 +319,14 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
         }
         const __m256 mn = kind == KIND_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
                                             : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-        __m256i w[8];  /* w[t]: weights 4t..4t+3 of each row; w[4 + t]: weights 16 + 4t..16 + 4t + 3 */
+        __m256i w[8];  /* w[t]: weights 4t..4t+3 of each row (low nibbles 0-15, high 16-31) */
         for (int t = 0; t < 4; t++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
             w[t] = _mm256_and_si256(v, m4);
             w[4 + t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
         for (int r = 0; r < R; r++) {
-            const int8_t *x = a->q + (r * a->nb + b) * 32;
-            __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-            for (int t = 1; t < 8; t++)
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + (t < 4 ? 4 * t : 16 + 4 * (t - 4)))));
-            const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            const __m256 sum = dot_u4_rows8(w, a->q + (r * a->nb + b) * 32);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->d[r * a->nb + b])), sum, acc[r]);
             acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->s[r * a->nb + b]), acc[r]);
         }
@@ -335,7 +339,7 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
  * and high nibbles of the same 8 loads. Each row's 6-bit scales and mins are unpacked once per super-block. */
 static inline __attribute__((always_inline)) void group8_k(const int R, const uint8_t *g, const Acts *a,
                                                            __m256 out[QB_PASS]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[QB_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nsb = a->nb / 8;
@@ -361,10 +365,7 @@ static inline __attribute__((always_inline)) void group8_k(const int R, const ui
             const __m256 dsc = _mm256_mul_ps(d, _mm256_load_ps(scf[sub])), dmn = _mm256_mul_ps(dmin, _mm256_load_ps(mnf[sub]));
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * a->nb + sb * 8 + sub;
-                const int8_t *x = a->q + at * 32;
-                __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-                for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)));
-                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                const __m256 sum = dot_u4_rows8(w, a->q + at * 32);
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(a->d[at])), sum, acc[r]);
                 acc[r] = _mm256_fnmadd_ps(dmn, _mm256_set1_ps(a->s[at]), acc[r]);
             }
