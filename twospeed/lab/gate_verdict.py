@@ -16,8 +16,8 @@ and the probe comparison (probes.py); `twospeed gate` (gate.py) runs them. Per l
 - the model's next tokens: the mean KL (nats) of the candidate's next-token distributions from the baseline's on
   the lane's probes (the baseline's own answer positions, teacher-forced). Above `max_probe_kl` the model itself
   changed, whatever the lane's gate says: a lane whose answers a grammar shapes, or whose contract a broken model
-  keeps by chance (it never refuses, say), passes its gate on any weights. On SmolLM2 (BENCHMARKS.md) its own
-  4-bit blocks moved 0.002-0.006 nats, re-quantized into another 4-bit layout 0.13-0.17, a destroyed format 4.8.
+  keeps by chance (it never refuses, say), passes its gate on any weights. The bar sits between what a sound
+  4-bit format and a destroyed one move the probes (BENCHMARKS.md, the gate on SmolLM2).
 - reported, not judged: output tok/s, token agreement of greedy outputs (exact-match rate, where the first
   divergence falls), top-1 agreement on the probe set, KV capacity.
 """

@@ -23,8 +23,8 @@ Two paths behind `BlockLinear.forward`, tested against each other and a float64 
   against each weight block, read from memory once per call. Bound per output: sum over blocks of max|x_b| / 254
   times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, Q8_0/Q4_0/Q4_1/Q4_K parts hold
   their rows grouped by 8 (BlockKind.group_rows: the same bytes in the kernel's order; `BlockPart.gguf_rows` gives
-  GGUF's back). Q4_K too, Q6_K not yet. Prompt chunks take it too: on a 2-core AVX2 CPU it ran 16-2048-row products at 190-280 GFLOP/s
-  against 50-170 for the weights dequantized each call and torch's float32 BLAS (BENCHMARKS.md).
+  GGUF's back). Q4_K too, Q6_K not yet. Prompt chunks take it too: it beat dequantizing the weights each call for
+  torch's float32 BLAS at every row count measured (BENCHMARKS.md, block formats).
 - anywhere else (any device, any dtype: the portable path the kernel is checked against): dequantize in torch,
   F.linear in float32, one rounding to the activations' dtype.
 """

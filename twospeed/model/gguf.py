@@ -36,7 +36,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM"}
 ROTARY_PERMUTED = {"llama", "mistral"}  # llama.cpp's converter reorders Q and K rows of these (see the module)
 LOADABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-QUANTIZED_TYPES = LOADABLE_TYPES[3:]  # block formats: fewer bits a weight than any float
+QUANTIZED_TYPES = tuple(t for t in LOADABLE_TYPES if t not in ("F32", "F16", "BF16"))  # fewer bits than any float
 
 _LAYER_PARTS = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -270,14 +270,15 @@ static inline __attribute__((always_inline)) void rows_k(const int R, const int 
  *   Q4_0/Q4_1: for t = 0..3, for row j = 0..7: bytes 4t..4t+3 of row j's 16 nibble bytes (128 bytes);
  *   Q8_0: for t = 0..7, for row j = 0..7: bytes 4t..4t+3 of row j's 32 int8 (256 bytes).
  * A part's first N / 8 * 8 rows are grouped; its last N % 8 rows follow in GGUF's layout (model/block_kinds.py's
- * BlockKind.group_rows writes this). Q4_0's q - 8 is folded into the min term (m = -8 d), so all three 4-bit sums are of
- * unsigned nibbles: 16 products of a lane stay within int16 (16 x 15 x 127 < 2^15) and are widened once a block.
- * Each row's sums still run in one order whatever the rows beside it, and the products with the quantized
+ * BlockKind.group_rows writes this). Q4_0's q - 8 is folded into the min term (m = -8 d), so all three 4-bit sums
+ * are of unsigned nibbles: 16 products of a lane stay within int16 (16 x 15 x 127 < 2^15) and are widened once a
+ * block. Each row's sums still run in one order whatever the rows beside it, and the products with the quantized
  * activations are exact: the bound above holds unchanged. */
-static const int X8_HEAD[4] = {16, 16, 32, 128};  /* bytes of scales (and mins) before the quants, per group and block */
+/* bytes of scales (and mins) before the quants, per group and block */
+static const int X8_HEAD[4] = {16, 16, 32, 128};
 /* A batch-1 step streams the weights from memory at the rate its loads are in flight: asking for the group-blocks
- * this far ahead (6-10 of them) took the kernel from 17-20 to 20-24 GB/s on a 2-core Zen 3 whose plain read loop
- * reads 24-28. Past the end of the weights a prefetch is dropped, not a fault. */
+ * this far ahead (6-10 of them) brings the kernel near a plain read loop's rate (BENCHMARKS.md, block formats).
+ * Past the end of the weights a prefetch is dropped, not a fault. */
 #define X8_PREFETCH 1536
 
 static inline __m256i bcast4(const int8_t *x) {
@@ -362,7 +363,8 @@ static inline __attribute__((always_inline)) void group8_k(const int R, const ui
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qi + 32 * t));
                 w[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
             }
-            const __m256 dsc = _mm256_mul_ps(d, _mm256_load_ps(scf[sub])), dmn = _mm256_mul_ps(dmin, _mm256_load_ps(mnf[sub]));
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_load_ps(scf[sub]));
+            const __m256 dmn = _mm256_mul_ps(dmin, _mm256_load_ps(mnf[sub]));
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * a->nb + sb * 8 + sub;
                 const __m256 sum = dot_u4_rows8(w, a->q + at * 32);
