@@ -86,27 +86,30 @@ def test_dequantizers_are_ggufs_bit_for_bit(name, rows, blocks, seed):
 
 
 @settings(max_examples=30)
-@given(name=st.sampled_from([*GGUF_QUANTIZES, "Q4_K"]), rows=st.integers(1, 27), blocks=st.integers(1, 3),
+@given(name=st.sampled_from([*GGUF_QUANTIZES, "Q4_K", "Q6_K"]), rows=st.integers(1, 27), blocks=st.integers(1, 3),
        seed=st.integers(0, 99))
 def test_grouped_rows_are_ggufs_bytes_in_the_kernels_order(name, rows, blocks, seed):
-    """group_rows (the kernel's layout) moves bytes only: row j of a group has its scale at bytes 2j of each block's
-    group and its 4-byte runs of quants at 4j of every 32; ungroup_rows undoes it."""
+    """group_rows (the kernel's layout) moves bytes only: each field of a block (scales, quants) of a group's 8 rows
+    side by side, row j's `run` bytes at run * j of every 8 * run; ungroup_rows undoes it."""
     kind = KINDS[name]
     k = kind.block * blocks
-    data = kind.quantize_portable(awkward_rows(rows, k, seed))
+    data = random_q6_k(rows, k, seed) if name == "Q6_K" else kind.quantize_portable(awkward_rows(rows, k, seed))
     grouped = kind.group_rows(data)
     assert grouped.shape == data.shape and torch.equal(kind.ungroup_rows(grouped), data)
     assert torch.equal(grouped[rows // 8 * 8:], data[rows // 8 * 8:])  # the tail stays in GGUF's rows
-    bb, sb = kind.block_bytes, kind.scale_bytes
+    bb = kind.block_bytes
+    spans = sorted((at, at + n) for at, n, _ in kind.x8_fields)  # the fields cover the block's bytes once each
+    assert spans[0][0] == 0 and spans[-1][1] == bb and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     for g in range(rows // 8):
         flat = grouped[8 * g:8 * g + 8].reshape(-1)
         for j in range(8):
             row = data[8 * g + j]
             for b in range(blocks):
-                at = b * 8 * bb
-                assert torch.equal(flat[at + 2 * j:at + 2 * j + 2], row[b * bb:b * bb + 2])  # fp16 d
-                quants = flat[at + 8 * sb:at + 8 * bb].reshape(-1, 8, 4)[:, j].reshape(-1)
-                assert torch.equal(quants, row[b * bb + sb:(b + 1) * bb])
+                start = b * 8 * bb
+                for at, n, run in kind.x8_fields:
+                    field = flat[start:start + 8 * n].reshape(-1, 8, run)[:, j].reshape(-1)
+                    assert torch.equal(field, row[b * bb + at:b * bb + at + n]), (at, j, b)
+                    start += 8 * n
 
 
 @QUANT_KERNEL

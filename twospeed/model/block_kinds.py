@@ -1,4 +1,4 @@
-"""GGUF's block layouts: the bytes of Q8_0, Q4_0, Q4_1 and Q4_K, quantized and dequantized.
+"""GGUF's block layouts: the bytes of Q8_0, Q4_0, Q4_1, Q4_K and Q6_K, quantized and dequantized.
 
 A block-quantized weight is stored row by row, each row a run of blocks along the input dimension, exactly as a
 GGUF file (llama.cpp's ggml-common.h) lays it out, so a tensor read from a file is used byte for byte:
@@ -66,7 +66,9 @@ class BlockKind:
     block: int  # weights per block (the input width must be a multiple): schema/formats.py's BLOCK_LAYOUTS
     block_bytes: int
     code: int  # csrc/linear_qblock.c's KIND_*
-    scale_bytes: int | None = None  # bytes of scales (and min) opening a block, where the kind has a grouped layout
+    # csrc/linear_qblock.c's grouped layout (KIND_X8), where the kind has one: the block's fields as (first byte,
+    # bytes, run), each field of 8 rows stored one after the other, `run` bytes of each row at a time
+    x8_fields: tuple[tuple[int, int, int], ...] = ()
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.block_bytes
@@ -104,23 +106,26 @@ class BlockKind:
 
     def group_rows(self, data: torch.Tensor) -> torch.Tensor:
         """GGUF rows uint8 [rows, row_bytes] -> the same bytes in csrc/linear_qblock.c's grouped layout (KIND_X8):
-        per group of 8 rows and block, the 8 rows' scales (then mins), then the quants 4 bytes of each row at a time;
-        the last rows % 8 rows stay as they are."""
-        g, nb, sb = data.shape[0] // 8, data.shape[1] // self.block_bytes, self.scale_bytes
+        per group of 8 rows and block, each of `x8_fields` in turn, `run` bytes of each of the 8 rows at a time (the
+        rows' scales side by side, then their quants 4 bytes of each row at a time); the last rows % 8 rows stay as
+        they are."""
+        g, nb = data.shape[0] // 8, data.shape[1] // self.block_bytes
         full = data[:8 * g].reshape(g, 8, nb, self.block_bytes)
-        scales = full[..., :sb].reshape(g, 8, nb, sb // 2, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 8 * sb)
-        words = (self.block_bytes - sb) // 4
-        quants = full[..., sb:].reshape(g, 8, nb, words, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 32 * words)
-        return torch.cat((torch.cat((scales, quants), dim=2).reshape(8 * g, data.shape[1]), data[8 * g:]))
+        fields = [full[..., at:at + n].reshape(g, 8, nb, n // run, run).permute(0, 2, 3, 1, 4).reshape(g, nb, 8 * n)
+                  for at, n, run in self.x8_fields]
+        return torch.cat((torch.cat(fields, dim=2).reshape(8 * g, data.shape[1]), data[8 * g:]))
 
     def ungroup_rows(self, data: torch.Tensor) -> torch.Tensor:
         """The inverse of group_rows: GGUF's rows again."""
-        g, nb, sb = data.shape[0] // 8, data.shape[1] // self.block_bytes, self.scale_bytes
+        g, nb = data.shape[0] // 8, data.shape[1] // self.block_bytes
         full = data[:8 * g].reshape(g, nb, 8 * self.block_bytes)
-        scales = full[..., :8 * sb].reshape(g, nb, sb // 2, 8, 2).permute(0, 3, 1, 2, 4).reshape(g, 8, nb, sb)
-        words = (self.block_bytes - sb) // 4
-        quants = full[..., 8 * sb:].reshape(g, nb, words, 8, 4).permute(0, 3, 1, 2, 4).reshape(g, 8, nb, 4 * words)
-        return torch.cat((torch.cat((scales, quants), dim=3).reshape(8 * g, data.shape[1]), data[8 * g:]))
+        rows = torch.empty(g, 8, nb, self.block_bytes, dtype=data.dtype, device=data.device)
+        start = 0
+        for at, n, run in self.x8_fields:
+            field = full[..., start:start + 8 * n].reshape(g, nb, n // run, 8, run)
+            rows[..., at:at + n] = field.permute(0, 3, 1, 2, 4).reshape(g, 8, nb, n)
+            start += 8 * n
+        return torch.cat((rows.reshape(8 * g, data.shape[1]), data[8 * g:]))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -169,7 +174,7 @@ def _round_away(n: torch.Tensor) -> torch.Tensor:
 class Q8_0(BlockKind):
     name, code = "Q8_0", 0
     block, block_bytes = BLOCK_LAYOUTS[name]
-    scale_bytes = 2
+    x8_fields = ((0, 2, 2), (2, 32, 4))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         d = x.abs().amax(dim=1, keepdim=True) / 127
@@ -183,7 +188,7 @@ class Q8_0(BlockKind):
 class Q4_0(BlockKind):
     name, code = "Q4_0", 1
     block, block_bytes = BLOCK_LAYOUTS[name]
-    scale_bytes = 2
+    x8_fields = ((0, 2, 2), (2, 16, 4))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         peak = x.gather(1, x.abs().argmax(dim=1, keepdim=True))  # the signed value of largest magnitude
@@ -198,7 +203,7 @@ class Q4_0(BlockKind):
 class Q4_1(BlockKind):
     name, code = "Q4_1", 2
     block, block_bytes = BLOCK_LAYOUTS[name]
-    scale_bytes = 4
+    x8_fields = ((0, 4, 2), (4, 16, 4))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
@@ -213,7 +218,7 @@ class Q4_1(BlockKind):
 class Q4_K(BlockKind):
     name, code = "Q4_K", 3
     block, block_bytes = BLOCK_LAYOUTS[name]
-    scale_bytes = 16
+    x8_fields = ((0, 16, 2), (16, 128, 4))
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -248,6 +253,7 @@ class Q6_K(BlockKind):
 
     name, code = "Q6_K", 4
     block, block_bytes = BLOCK_LAYOUTS[name]
+    x8_fields = ((208, 2, 2), (192, 16, 1), (0, 128, 4), (128, 64, 4))  # d; the 16 scales; low nibbles; high bits
 
     def quantize(self, w: torch.Tensor) -> torch.Tensor:
         raise ValueError("Q6_K is kept as a GGUF file stores it: twospeed does not quantize into it")

@@ -21,10 +21,10 @@ Two paths behind `BlockLinear.forward`, tested against each other and a float64 
 - float32 or bf16 activations on a CPU with AVX2 + FMA + F16C, any number of rows (decode steps, prompt chunks):
   csrc/linear_qblock.c, llama.cpp's way: activations quantized to int8 per block of 32, integer dot products
   against each weight block, read from memory once per call. Bound per output: sum over blocks of max|x_b| / 254
-  times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, Q8_0/Q4_0/Q4_1/Q4_K parts hold
-  their rows grouped by 8 (BlockKind.group_rows: the same bytes in the kernel's order; `BlockPart.gguf_rows` gives
-  GGUF's back). Q4_K too, Q6_K not yet. Prompt chunks take it too: it beat dequantizing the weights each call for
-  torch's float32 BLAS at every row count measured (BENCHMARKS.md, block formats).
+  times sum_b |w| (the activations' rounding), plus float32 summation. Where it runs, every part holds its rows
+  grouped by 8 (BlockKind.group_rows: the same bytes in the kernel's order; `BlockPart.gguf_rows` gives GGUF's
+  back). Prompt chunks take it too: it beat dequantizing the weights each call for torch's float32 BLAS at every
+  row count measured (BENCHMARKS.md, block formats).
 - anywhere else (any device, any dtype: the portable path the kernel is checked against): dequantize in torch,
   F.linear in float32, one rounding to the activations' dtype.
 """
@@ -200,7 +200,7 @@ class BlockLinear(FormatLinear):
         self._kept = {}
         if self.fmt.use_kernel:  # the decode kernel reads 8 rows' blocks at once: group them in place of GGUF's rows
             for part in self.parts:
-                if part.kind.scale_bytes and part.data.device.type == "cpu":
+                if part.kind.x8_fields and part.data.device.type == "cpu":
                     part.data, part.grouped = part.kind.group_rows(part.data), True
             if own:
                 self.weight.data = self.parts[0].data

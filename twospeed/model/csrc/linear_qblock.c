@@ -3,8 +3,7 @@
  * A decode step streams every weight once, so the bytes a weight costs set the step's floor: 1.06 bytes in Q8_0,
  * 0.56 in Q4_0 and Q4_K, 0.63 in Q4_1, 0.82 in Q6_K (bf16: 2, float32: 4). The weights stay in GGUF's own layout
  * (model/block_kinds.py): rows of blocks along k, each block its fp16 scale (and min) beside its 8- or 4-bit values;
- * Q8_0, Q4_0, Q4_1 and Q4_K may come with their rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's
- * order.
+ * every kind may come with its rows grouped by 8 (KIND_X8, below), the same bytes in the kernel's order.
  *
  * Decode steps and the prompt chunks beside them (linear_qblock, any number of rows; model/block_quant.py's
  * QBLOCK_MAX_ROWS says how many go here) run as llama.cpp's CPU path does: each activation
@@ -51,7 +50,7 @@
 #define KIND_Q4_1 2
 #define KIND_Q4_K 3
 #define KIND_Q6_K 4
-#define KIND_X8 8  /* or'ed into Q8_0, Q4_0, Q4_1, Q4_K: the rows stored in groups of 8 interleaved (below) */
+#define KIND_X8 8  /* or'ed into a kind: the rows stored in groups of 8 interleaved (below) */
 #define QB_PASS 8  /* activation rows a kernel instantiation keeps in registers */
 #define QB_TILE_BYTES 24576  /* int8 activations a tile of rows holds (L1: 32-48 KiB) */
 
@@ -68,13 +67,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* ---- activations: int8 per block of 32, a float32 scale and the block's sum (dx * sum q) ---------------------- */
+/* ---- activations: int8 per block of 32, a float32 scale, the block's sum (dx * sum q) and its halves' ---------- */
 
 typedef struct {
-    int8_t *q;   /* [M][K] */
-    float *d;    /* [M][K / 32] */
-    float *s;    /* [M][K / 32] */
-    int64_t nb;  /* blocks of 32 per row */
+    int8_t *q;     /* [M][K] */
+    float *d;      /* [M][K / 32] */
+    float *s;      /* [M][K / 32] */
+    int16_t *c16;  /* [M][K / 16]: sum q over each 16 (Q6_K's offset 32 meets a scale per 16) */
+    int64_t nb;    /* blocks of 32 per row */
 } Acts;
 
 static inline __m256 load8(const void *x, int64_t at, int bf16) {
@@ -83,7 +83,14 @@ static inline __m256 load8(const void *x, int64_t at, int bf16) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static void quantize_row(const void *x, int bf16, int K, int8_t *q, float *d, float *s) {
+static inline int hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+static void quantize_row(const void *x, int bf16, int K, int8_t *q, float *d, float *s, int16_t *c16) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int b = 0; b < K / 32; b++) {
@@ -100,12 +107,11 @@ static void quantize_row(const void *x, int bf16, int K, int8_t *q, float *d, fl
         for (int j = 0; j < 4; j++)
             i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        const int c0 = hsum_epi32(_mm256_add_epi32(i[0], i[1])), c1 = hsum_epi32(_mm256_add_epi32(i[2], i[3]));
         d[b] = dx;
-        s[b] = dx * (float)_mm_cvtsi128_si32(t);
+        s[b] = dx * (float)(c0 + c1);
+        c16[2 * b] = (int16_t)c0;
+        c16[2 * b + 1] = (int16_t)c1;
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p, order));
     }
@@ -116,21 +122,23 @@ static int quantize_acts(const void *x, int64_t ldx, int bf16, int M, int K, Act
     a->q = aligned_alloc(64, ((size_t)M * K + 63) / 64 * 64);
     a->d = malloc(sizeof(float) * (size_t)M * a->nb);
     a->s = malloc(sizeof(float) * (size_t)M * a->nb);
-    if (!a->q || !a->d || !a->s) return -1;
+    a->c16 = malloc(sizeof(int16_t) * 2 * (size_t)M * a->nb);
+    if (!a->q || !a->d || !a->s || !a->c16) return -1;
     #pragma omp parallel for num_threads(threads) schedule(static) if (M > QB_PASS)
     for (int m = 0; m < M; m++)
         quantize_row((const char *)x + (bf16 ? 2 : 4) * (int64_t)m * ldx, bf16, K, a->q + (int64_t)m * K,
-                     a->d + m * a->nb, a->s + m * a->nb);
+                     a->d + m * a->nb, a->s + m * a->nb, a->c16 + 2 * m * a->nb);
     return 0;
 }
 
 /* rows [r0, r0 + QB_PASS) of a's as their own Acts */
 static inline Acts acts_from(const Acts *a, int r0) {
-    const Acts sub = {a->q + (int64_t)r0 * a->nb * 32, a->d + (int64_t)r0 * a->nb, a->s + (int64_t)r0 * a->nb, a->nb};
+    const int64_t at = (int64_t)r0 * a->nb;
+    const Acts sub = {a->q + at * 32, a->d + at, a->s + at, a->c16 + 2 * at, a->nb};
     return sub;
 }
 
-static void free_acts(Acts *a) { free(a->q); free(a->d); free(a->s); }
+static void free_acts(Acts *a) { free(a->q); free(a->d); free(a->s); free(a->c16); }
 
 /* ---- weight rows x activation rows ----------------------------------------------------------------------------- */
 
@@ -376,9 +384,66 @@ static inline __attribute__((always_inline)) void group8_k(const int R, const ui
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
+/* Q6_K grouped: per super-block, the 8 rows' d (16 bytes), their 16 int8 scales (per scale, 8 rows' bytes), the
+ * low nibbles (ql: 128 bytes a row) and the high bits (qh: 64) each 4 bytes of each row at a time. In GGUF's order
+ * (model/block_kinds.py's Q6_K) ql word t of a half carries weights 4t.. (low nibbles) and 64 + 4t.. (high), word
+ * 8 + t weights 32 + 4t.. and 96 + 4t.., and qh word t the top 2 bits of all four at bits 0-1, 2-3, 4-5, 6-7; each
+ * 32-block's 8 loads are rebuilt as 6-bit q (0..63) in place. Two vpmaddubsw of q x stay within int16 (2 x 2 x 63 x
+ * 127 < 2^15), and the offset is taken off as 32 times the 16 activations' sum (Acts.c16), so each scale's 16
+ * products are summed exactly in int32. */
+static inline __attribute__((always_inline)) void group8_q6k(const int R, const uint8_t *g, const Acts *a,
+                                                             __m256 out[QB_PASS]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    __m256 acc[QB_PASS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t nsb = a->nb / 8;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *p = g + sb * 8 * 210, *scales = p + 16, *ql = p + 144, *qh = p + 1168;
+        for (int l = 0; l < 8 * 210; l += 64) _mm_prefetch((const char *)p + 8 * 210 + l, _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        for (int k = 0; k < 8; k++) {  /* the super-block's 32-blocks: half k / 4, run k % 4 of it */
+            const int h = k / 4, run = k % 4;
+            const uint8_t *lw = ql + 512 * h + 256 * (run & 1), *hw = qh + 256 * h;
+            __m256i w[8];
+            for (int t = 0; t < 8; t++) {
+                const __m256i l = _mm256_loadu_si256((const __m256i *)(lw + 32 * t));
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(hw + 32 * t));
+                const __m256i lo = _mm256_and_si256(run < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+                const __m256i top = _mm256_and_si256(run == 0 ? _mm256_slli_epi16(hb, 4)
+                                                     : run == 1 ? _mm256_slli_epi16(hb, 2)
+                                                     : run == 2 ? hb : _mm256_srli_epi16(hb, 2), m30);
+                w[t] = _mm256_or_si256(lo, top);
+            }
+            const __m256 dsc0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(scales + 16 * k)))));
+            const __m256 dsc1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(scales + 16 * k + 8)))));
+            for (int r = 0; r < R; r++) {
+                const int64_t at = r * a->nb + sb * 8 + k;
+                const int8_t *x = a->q + at * 32;
+                __m256i s[2];
+                for (int half = 0; half < 2; half++) {  /* weights 16 half .. 16 half + 15: one scale */
+                    const int t = 4 * half;
+                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)),
+                                                        _mm256_maddubs_epi16(w[t + 1], bcast4(x + 4 * t + 4)));
+                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[t + 2], bcast4(x + 4 * t + 8)),
+                                                        _mm256_maddubs_epi16(w[t + 3], bcast4(x + 4 * t + 12)));
+                    s[half] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
+                                               _mm256_set1_epi32(32 * a->c16[2 * at + half]));
+                }
+                const __m256 dx = _mm256_set1_ps(a->d[at]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc0, dx), _mm256_cvtepi32_ps(s[0]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc1, dx), _mm256_cvtepi32_ps(s[1]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
 #define DEFINE_GROUP8(NAME, KIND, R)                                                                          \
     static void NAME(const uint8_t *g, const Acts *a, __m256 out[QB_PASS]) {                                  \
         if (KIND == KIND_Q4_K) group8_k(R, g, a, out);                                                        \
+        else if (KIND == KIND_Q6_K) group8_q6k(R, g, a, out);                                                 \
         else group8(KIND, R, g, a, out);                                                                      \
     }
 #define DEFINE_KIND8(K, KIND)                                                                                     \
@@ -389,12 +454,13 @@ DEFINE_KIND8(q8_0, KIND_Q8_0)
 DEFINE_KIND8(q4_0, KIND_Q4_0)
 DEFINE_KIND8(q4_1, KIND_Q4_1)
 DEFINE_KIND8(q4_k, KIND_Q4_K)
+DEFINE_KIND8(q6_k, KIND_Q6_K)
 
 typedef void (*Group8)(const uint8_t *, const Acts *, __m256[QB_PASS]);
 #define KIND8_TABLE(K) {NULL, x8_##K##_1, x8_##K##_2, x8_##K##_3, x8_##K##_4, x8_##K##_5, x8_##K##_6, x8_##K##_7, \
                         x8_##K##_8}
-static const Group8 GROUPS8[4][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1),
-                                               KIND8_TABLE(q4_k)};
+static const Group8 GROUPS8[5][QB_PASS + 1] = {KIND8_TABLE(q8_0), KIND8_TABLE(q4_0), KIND8_TABLE(q4_1),
+                                               KIND8_TABLE(q4_k), KIND8_TABLE(q6_k)};
 
 /* R activation rows x C weight rows, Q6_K super-blocks: per half of 128 weights, ql[0:32] and ql[32:64]'s low nibbles
  * then their high ones, each 32 with 2 bits of qh[0:32] on top (bits 0-1, 2-3, 4-5, 6-7), are weights 0-127 in order;
