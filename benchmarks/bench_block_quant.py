@@ -76,20 +76,26 @@ def kernel_variants(dtype: torch.dtype) -> dict[str, tuple[str | None, torch.dty
 
 
 def part_kernels(cfg: Config, model_cfg, dtype: torch.dtype, bandwidth: float) -> list[dict]:
-    """Each format's linear, 1 and 8 rows, over the model's shapes, streamed from memory."""
+    """Each format's linear, 1 and 8 rows, over the model's shapes, streamed from memory. The K-quants (q4_k, and
+    Q6_K as a file stores it: random bytes, `gguf` keeps them) take each width rounded up to whole 256-blocks, so
+    they run their own kernels where the model's widths are not whole super-blocks."""
     from twospeed.model.weight_format import make_weight_format
 
     h, q = model_cfg.hidden_size, model_cfg.num_heads * model_cfg.head_dim
     kv, i = model_cfg.num_kv_heads * model_cfg.head_dim, model_cfg.intermediate_size
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # (out, in) of one layer
     variants = {**kernel_variants(dtype), **{f: (f, dtype) for f in cfg.formats if f != "gguf"}}
+    if "gguf" in cfg.formats:
+        variants["q6_k"] = ("gguf", dtype)
     rows = []
     for name, (quantization, stored) in variants.items():
         fmt = make_weight_format(quantization, "auto", "cpu", dtype, stored)
-        per_layer = sum(fmt.weight_nbytes(n, k, stored) for n, k in shapes)
+        own = [(n, -(-k // 256) * 256) for n, k in shapes] if name in ("q4_k", "q6_k") else shapes
+        per_layer = sum(210 * n * k // 256 if name == "q6_k" else fmt.weight_nbytes(n, k, stored) for n, k in own)
         copies = max(1, cfg.kernel_mib * 2**20 // per_layer)
         try:
-            linears = [make_linear(fmt, n, k, dtype, stored, seed) for seed in range(copies) for n, k in shapes]
+            linears = [q6_k_linear(fmt, n, k, seed) if name == "q6_k" else make_linear(fmt, n, k, dtype, stored, seed)
+                       for seed in range(copies) for n, k in own]
         except ValueError as e:  # a width that is not whole blocks
             rows.append({"variant": name, "error": str(e)})
             continue
@@ -99,7 +105,7 @@ def part_kernels(cfg: Config, model_cfg, dtype: torch.dtype, bandwidth: float) -
             dt = time_calls([lin.forward for lin in linears], xs * copies, cfg.kernel_calls)
             entries = [c_entry(lin, m) for lin in linears]
             dc = None if None in entries else time_calls(entries, xs * copies, cfg.kernel_calls)
-            rows.append({"variant": name, "rows": m, "us_per_call": dt * 1e6, "gb_s": nbytes / dt / 1e9,
+            rows.append({"variant": name, "rows": m, "us_per_call": dt * 1e6, "gb_s": nbytes / dt / 1e9, "shapes": own,
                          "of_copy": nbytes / dt / bandwidth, "describe": linears[0].describe(),
                          **({} if dc is None else {"c_us": dc * 1e6, "c_gb_s": nbytes / dc / 1e9,
                                                    "c_of_copy": nbytes / dc / bandwidth})})
@@ -152,6 +158,19 @@ def make_linear(fmt, n: int, k: int, dtype: torch.dtype, stored: torch.dtype, se
         torch.set_default_dtype(prev)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(stored)
     lin.weight.weight_loader(lin.weight, w.to(lin.weight.dtype) if lin.weight.is_floating_point() else w)
+    lin.finish_loading()
+    return lin
+
+
+def q6_k_linear(fmt, n: int, k: int, seed: int):
+    """A `gguf` linear holding random Q6_K bytes (small finite fp16 d), as a file's Q6_K tensor is loaded."""
+    from twospeed.model.block_kinds import KINDS, BlockTensor
+
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * k // 256, 210), dtype=torch.uint8, generator=g)
+    raw[:, 208:210] = (torch.rand(raw.shape[0], 1, generator=g) * 2e-3 + 1e-4).half().view(torch.uint8)
+    lin = fmt.linear(k, n, False)
+    lin.load_weight(lin.weight, BlockTensor(KINDS["Q6_K"], raw.reshape(n, -1), (n, k)))
     lin.finish_loading()
     return lin
 
@@ -252,6 +271,10 @@ def report(cfg: Config, path: str, probes: list, kernels: list[dict], engine: li
             f"| {r['variant']} | — | — | — | — | — | — | — | {r['error']} |" if "error" in r else
             f"| {r['variant']} | {r['rows']} | {r['us_per_call']:.0f} | {r['gb_s']:.1f} | {r['of_copy']:.0%} | "
             f"{c(r)} | {r['describe']} |" for r in kernels])
+        rounded = {r["variant"]: r["shapes"] for r in kernels if "shapes" in r and r["variant"] in ("q4_k", "q6_k")}
+        if rounded:
+            lines += [f"The K-quant rows' (out, in) shapes, widths rounded up to whole 256-blocks: "
+                      f"{next(iter(rounded.values()))}.", ""]
     if engine:
         lines += table("| variant | dtype | weights | TTFT | decode tok/s | x baseline | roofline |", [
             f"| {r['variant']} | {r['dtype']} | {r['weight_mb']:.0f} MB | {r['ttft_s'] * 1e3:.0f} ms | "

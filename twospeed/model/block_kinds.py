@@ -218,7 +218,7 @@ class Q4_1(BlockKind):
 class Q4_K(BlockKind):
     name, code = "Q4_K", 3
     block, block_bytes = BLOCK_LAYOUTS[name]
-    x8_fields = ((0, 16, 2), (16, 128, 4))
+    x8_fields = ((0, 4, 2), (4, 12, 1), (16, 128, 4))  # d and dmin; the 12 scale bytes; the nibbles
 
     def _quantize_blocks(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]

@@ -343,36 +343,41 @@ static inline __attribute__((always_inline)) void group8(const int kind, const i
     for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
-/* Q4_K grouped: per super-block, the 8 rows' d, then dmin, then their 12 scale bytes two at a time (16 bytes per
- * pair), then the quants as the 32-blocks' (4 bytes of each row at a time), so sub-blocks 2i and 2i + 1 are the low
- * and high nibbles of the same 8 loads. Each row's 6-bit scales and mins are unpacked once per super-block. */
+/* Q4_K grouped: per super-block, the 8 rows' d, then dmin, then their 12 scale bytes one byte of each row at a time
+ * (96 bytes), then the quants as the 32-blocks' (4 bytes of each row at a time), so sub-blocks 2i and 2i + 1 are the
+ * low and high nibbles of the same 8 loads. A sub-block's 6-bit scale and min (llama.cpp's get_scale_min_k4) come
+ * out for all 8 rows at once from two or three of those 8-byte runs. */
 static inline __attribute__((always_inline)) void group8_k(const int R, const uint8_t *g, const Acts *a,
                                                            __m256 out[QB_PASS]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi32(0x3F), m4w = _mm256_set1_epi32(0x0F);
     __m256 acc[QB_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nsb = a->nb / 8;
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *p = g + sb * 8 * 144, *q = p + 128;
+        const uint8_t *p = g + sb * 8 * 144, *scales = p + 32, *q = p + 128;
         for (int l = 0; l < 8 * 144; l += 64) _mm_prefetch((const char *)p + 8 * 144 + l, _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-        float scf[8][8] __attribute__((aligned(32))), mnf[8][8] __attribute__((aligned(32)));  /* [sub-block][row] */
-        for (int j = 0; j < 8; j++) {
-            uint8_t raw[12], sm[16];
-            for (int k = 0; k < 6; k++) memcpy(raw + 2 * k, p + 32 + 16 * k + 2 * j, 2);
-            scales_k(raw, sm);
-            for (int s = 0; s < 8; s++) { scf[s][j] = (float)sm[s]; mnf[s][j] = (float)sm[8 + s]; }
-        }
         for (int sub = 0; sub < 8; sub++) {
+            #define SCALE_BYTE(i) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 8 * (i))))
+            __m256i sc, mn;
+            if (sub < 4) {
+                sc = _mm256_and_si256(SCALE_BYTE(sub), m6);
+                mn = _mm256_and_si256(SCALE_BYTE(sub + 4), m6);
+            } else {
+                const __m256i low = SCALE_BYTE(sub + 4);
+                sc = _mm256_or_si256(_mm256_and_si256(low, m4w), _mm256_slli_epi32(_mm256_srli_epi32(SCALE_BYTE(sub - 4), 6), 4));
+                mn = _mm256_or_si256(_mm256_srli_epi32(low, 4), _mm256_slli_epi32(_mm256_srli_epi32(SCALE_BYTE(sub), 6), 4));
+            }
+            #undef SCALE_BYTE
             const uint8_t *qi = q + 256 * (sub / 2);
             __m256i w[8];
             for (int t = 0; t < 8; t++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qi + 32 * t));
                 w[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
             }
-            const __m256 dsc = _mm256_mul_ps(d, _mm256_load_ps(scf[sub]));
-            const __m256 dmn = _mm256_mul_ps(dmin, _mm256_load_ps(mnf[sub]));
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+            const __m256 dmn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * a->nb + sb * 8 + sub;
                 const __m256 sum = dot_u4_rows8(w, a->q + at * 32);
