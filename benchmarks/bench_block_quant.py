@@ -11,7 +11,8 @@ Three parts (--parts):
 1. kernels: each format's linear at batch 1 (and 8 rows) over the model's own shapes, enough copies cycled that the
    weights stream from memory: bytes read per second over the copy bandwidth, measured in the same run by
    twospeed.plan.hardware.measure_local (as benchmarks/bench_roofline.py does; a copy counts read + write bytes, as
-   STREAM's does), before and after, the better taken. The issue's target: >= 70% for every kernel.
+   STREAM's does), before and after, the better taken. The issue's target: >= 70% for every kernel. Beside the
+   model's shapes, batch 1 through one 64 MiB linear: the kernel's streaming rate without a small call's fixed cost.
 2. engine: one `LLM` per variant in this process, round-robin (drift hits every variant alike): batch-1 greedy decode
    tok/s and TTFT; roofline = the model's weight bytes x decode tok/s / copy bandwidth; speed-up over the baseline
    (the checkpoint in the dtype twospeed computes it in). Targets: 4-bit >= 2.5x, 8-bit >= 1.7x the bf16 baseline.
@@ -111,7 +112,28 @@ def part_kernels(cfg: Config, model_cfg, dtype: torch.dtype, bandwidth: float) -
                                                    "c_of_copy": nbytes / dc / bandwidth})})
         del linears
         gc.collect()
+        rows[-2].update(stream_rate(fmt, name, own, dtype, stored, bandwidth))
     return rows
+
+
+def stream_rate(fmt, name: str, shapes: list[tuple[int, int]], dtype: torch.dtype, stored: torch.dtype,
+                bandwidth: float) -> dict:
+    """Batch 1 through two 64 MiB linears of the widest input, each call streaming one from memory: the kernel's
+    own streaming rate, without the fixed cost a small linear's call pays (the Python call into C, the threads'
+    fork and join, the stream's start), which the model-shape rows include."""
+    k = max(k for _, k in shapes)
+    row = (210 * k // 256 if name == "q6_k" else fmt.weight_nbytes(1, k, stored))
+    n = 64 * 2**20 // row // 8 * 8
+    linears = [q6_k_linear(fmt, n, k, seed) if name == "q6_k" else make_linear(fmt, n, k, dtype, stored, seed)
+               for seed in range(2)]
+    xs = [torch.randn(1, k, dtype=dtype) for _ in linears]
+    entries = [c_entry(lin, 1) for lin in linears]
+    fns = [lin.forward for lin in linears] if None in entries else entries
+    dt = time_calls(fns, xs, 20)
+    nbytes = sum(lin.nbytes for lin in linears) / len(linears)
+    del linears
+    gc.collect()
+    return {"big_gb_s": nbytes / dt / 1e9, "big_of_copy": nbytes / dt / bandwidth, "big_shape": (n, k)}
 
 
 def time_calls(fns: list, xs: list[torch.Tensor], at_least: int) -> float:
@@ -266,11 +288,13 @@ def report(cfg: Config, path: str, probes: list, kernels: list[dict], engine: li
     if kernels:
         def c(r: dict) -> str:
             return (f"{r['c_us']:.0f} | {r['c_gb_s']:.1f} | {r['c_of_copy']:.0%}" if "c_us" in r else "— | — | —")
+        def big(r: dict) -> str:
+            return f"{r['big_gb_s']:.1f} | {r['big_of_copy']:.0%}" if "big_gb_s" in r else "— | —"
         lines += table("| kernel | rows | us / call | GB/s read | of copy bandwidth | C entry: us | GB/s | of copy "
-                       "| path |", [
-            f"| {r['variant']} | — | — | — | — | — | — | — | {r['error']} |" if "error" in r else
+                       "| 64 MiB linear: GB/s | of copy | path |", [
+            f"| {r['variant']} | — | — | — | — | — | — | — | — | — | {r['error']} |" if "error" in r else
             f"| {r['variant']} | {r['rows']} | {r['us_per_call']:.0f} | {r['gb_s']:.1f} | {r['of_copy']:.0%} | "
-            f"{c(r)} | {r['describe']} |" for r in kernels])
+            f"{c(r)} | {big(r)} | {r['describe']} |" for r in kernels])
         rounded = {r["variant"]: r["shapes"] for r in kernels if "shapes" in r and r["variant"] in ("q4_k", "q6_k")}
         if rounded:
             lines += [f"The K-quant rows' (out, in) shapes, widths rounded up to whole 256-blocks: "
