@@ -162,12 +162,20 @@ static inline __m256i block32(const int kind, const uint8_t *p, float *d, float 
  * Unsigned times signed bytes: |w| times x with w's sign. With VNNI (AVX-512 VNNI + VL, or AVX-VNNI) one vpdpbusd
  * sums each 4 products straight into int32; without it vpmaddubsw + vpmaddwd do, through int16 pairs that cannot
  * saturate here (|w| <= 127, |x| <= 127: a pair <= 32258). The sums are exact either way: the same results. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+#define HAVE_VNNI 1
+static inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define HAVE_VNNI 0
+#endif
+
 static inline __m256i dot32(const int is_signed, const __m256i w, const __m256i w_abs, const __m256i x) {
     const __m256i a = is_signed ? w_abs : w, b = is_signed ? _mm256_sign_epi8(x, w) : x;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#if HAVE_VNNI
+    return dpbusd(_mm256_setzero_si256(), a, b);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
@@ -298,9 +306,15 @@ static inline __m256i bcast4(const int8_t *x) {
 /* 8 weight rows' 32 unsigned 4-bit values (w[t]: weights 4t..4t+3 of each row) times one activation row's 32 int8:
  * the 8 rows' sums, exact, as float32 */
 static inline __m256 dot_u4_rows8(const __m256i w[8], const int8_t *x) {
+#if HAVE_VNNI
+    __m256i s = _mm256_setzero_si256();
+    for (int t = 0; t < 8; t++) s = dpbusd(s, w[t], bcast4(x + 4 * t));
+    return _mm256_cvtepi32_ps(s);
+#else
     __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
     for (int t = 1; t < 8; t++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
 }
 
 static inline __attribute__((always_inline)) void group8(const int kind, const int R, const uint8_t *g,
@@ -398,7 +412,7 @@ static inline __attribute__((always_inline)) void group8_k(const int R, const ui
  * products are summed exactly in int32. */
 static inline __attribute__((always_inline)) void group8_q6k(const int R, const uint8_t *g, const Acts *a,
                                                              __m256 out[QB_PASS]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[QB_PASS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const int64_t nsb = a->nb / 8;
@@ -429,12 +443,18 @@ static inline __attribute__((always_inline)) void group8_q6k(const int R, const 
                 __m256i s[2];
                 for (int half = 0; half < 2; half++) {  /* weights 16 half .. 16 half + 15: one scale */
                     const int t = 4 * half;
+#if HAVE_VNNI
+                    __m256i q = _mm256_setzero_si256();
+                    for (int u = t; u < t + 4; u++) q = dpbusd(q, w[u], bcast4(x + 4 * u));
+#else
+                    const __m256i ones = _mm256_set1_epi16(1);
                     const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w[t], bcast4(x + 4 * t)),
                                                         _mm256_maddubs_epi16(w[t + 1], bcast4(x + 4 * t + 4)));
                     const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w[t + 2], bcast4(x + 4 * t + 8)),
                                                         _mm256_maddubs_epi16(w[t + 3], bcast4(x + 4 * t + 12)));
-                    s[half] = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
-                                               _mm256_set1_epi32(32 * a->c16[2 * at + half]));
+                    const __m256i q = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+#endif
+                    s[half] = _mm256_sub_epi32(q, _mm256_set1_epi32(32 * a->c16[2 * at + half]));
                 }
                 const __m256 dx = _mm256_set1_ps(a->d[at]);
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc0, dx), _mm256_cvtepi32_ps(s[0]), acc[r]);
