@@ -106,8 +106,21 @@ def twospeed_command(folder: Path, name: str, port: int, settings: Settings = SE
             "--max-waiting", "1024", "--log-level", "warning", *s.twospeed_args, *(extra or [])]
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX int8 tiles (Linux's flags)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llama_command(binary: Path, gguf: Path, name: str, port: int, settings: Settings = SETTINGS) -> list[str]:
-    """llama-server on `gguf` with the shared settings."""
+    """llama-server on `gguf` with the shared settings. On an AMX CPU without weight repacking: there llama.cpp
+    moves block-quantized weights (Q4_0, Q4_1, Q8_0, the K-quants; never bf16 or f32) into its AMX buffer type.
+    On this project's AMX Xeon VMs llama-server died with SIGSEGV at start on Q8_0 and Q4_1 files and ran bf16
+    ones: the pattern of the crash in ggml_backend_amx_mul_mat that llama.cpp's issue 20824 and Ollama's users
+    report on virtualized Sapphire and Granite Rapids hosts (unconfirmed here: no AMX machine since). `--no-repack`
+    keeps those weights in the plain CPU buffer (its AVX-512 kernels); it also turns off the AVX repack of Q4_0."""
     s = settings
     slots = s.max_num_seqs
     return [str(binary), "-m", str(gguf), "--alias", name,
@@ -116,7 +129,7 @@ def llama_command(binary: Path, gguf: Path, name: str, port: int, settings: Sett
             # 512-token steps (its default logical batch is 2048), as twospeed's budget: decodes wait for at
             # most one 512-token prefill chunk instead of four
             "-b", "512", "-ub", "512",
-            "--no-webui", "--seed", "0", *s.llama_args]
+            "--no-webui", "--seed", "0", *(["--no-repack"] if amx_cpu() else []), *s.llama_args]
 
 
 def command_for(engine: str, dtype: str, port: int, settings: Settings = SETTINGS,

@@ -72,6 +72,13 @@ def test_commands_bind_loopback_and_reject_bad_input(monkeypatch):
         serve.command_for("llama", "fp16", 1)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_llama_server_skips_its_amx_buffer_only_on_amx_cpus(monkeypatch, amx):
+    monkeypatch.setattr(serve, "amx_cpu", lambda: amx)
+    cmd = serve.llama_command(Path("llama-server"), Path("m.gguf"), "m", 1)
+    assert ("--no-repack" in cmd) == amx
+
+
 @pytest.mark.skipif(not (serve.model_dir("bf16") / "tokenizer.json").is_file(), reason="checkpoint not built")
 def test_prompts_have_the_asked_token_count_and_differ_by_salt():
     """Needs the peers' own tokenizer (make_checkpoint.py), trained on the prompt words, so each is one piece and
