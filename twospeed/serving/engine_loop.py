@@ -135,6 +135,7 @@ class EngineLoop:
         self.num_running = 0
         self.steps = 0
         self.step_failures = 0
+        self._last_load: LoadEvent | None = None  # what the listeners last heard of the load
 
     # -- any thread -----------------------------------------------------------------------------
     def submit(self, command: Command) -> None:
@@ -281,4 +282,7 @@ class EngineLoop:
         running = Counter(lanes.get(r.request_id, "default") for r in sched.running)
         waiting = Counter(lanes.get(r.request_id, "default") for r in sched.waiting)
         kv = self.engine.kv
-        self._emit(LoadEvent(dict(running), dict(waiting), kv.usage, kv.num_cached_blocks))
+        load = LoadEvent(dict(running), dict(waiting), kv.usage, kv.num_cached_blocks)
+        if load != self._last_load:  # a decode's step mostly leaves it as it was: nothing to tell or to send
+            self._last_load = load
+            self._emit(load)

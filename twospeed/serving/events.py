@@ -28,7 +28,7 @@ class StepEvent:
 
 @dataclass(slots=True)
 class LoadEvent:
-    """The engine's load after a step or a command: sequences per lane and the KV pool's state."""
+    """The engine's load when a step or a command changed it: sequences per lane and the KV pool's state."""
 
     running: dict[str, int]  # lane -> sequences in the running batch
     waiting: dict[str, int]  # lane -> sequences waiting (new or preempted)
