@@ -7,14 +7,11 @@ retakes it. Measured on two cores: a step of a 64-token chunk and 10 decodes too
 held the GIL in half of the samples. vLLM (its EngineCore process) and SGLang (its scheduler process) split the
 same way.
 
-This side sends the typed commands (process_messages.py) and reads the engine's messages on the event loop itself
-(a reader on the pipe, as vLLM's AsyncLLM reads its engine core's socket): whatever bytes have arrived are read
-without blocking and cut into whole messages (multiprocessing's framing); for each it judges the finished sequences
-(the lanes' SLOs), tells its listeners (the metrics, the dashboard's history) and puts the step's items on their
-requests' groups. A reader thread instead cost each token a thread wake-up, a GIL hand-over and the event loop's
-self-pipe: on two cores every CPU-second this process takes stalls a step of the engine's (BENCHMARKS.md, the
-serving path). Stamps cross as monotonic seconds: both processes read the same clock, so the split clock is
-exact.
+This side sends the typed commands (process_messages.py) from the event loop and reads the engine's messages on a
+thread of its own: it judges each finished sequence (the lanes' SLOs), tells its listeners (the metrics, the
+dashboard's history), and hands each step's items to the event loop with one call_soon_threadsafe, where each
+request's group adds its deltas up. Stamps cross as monotonic seconds: both processes read the same clock, so the
+split clock is exact.
 
 If the engine process dies, every open stream ends with an error event (not a hang), /health says so, and
 new requests get EngineGone (a 503). If this process dies, the engine process sees its command pipe close and
@@ -27,8 +24,6 @@ import asyncio
 import itertools
 import logging
 import os
-import pickle
-import struct
 import subprocess
 import sys
 import threading
@@ -55,20 +50,18 @@ class ProcessEngine:
         self.config = config
         self.nice = nice  # added to the engine process's niceness (ServerConfig.engine_nice)
         self._judge = judge
-        self.listeners: list[Listener] = list(listeners)  # called on the event loop, in the engine's order
+        self.listeners: list[Listener] = list(listeners)  # called on the reader thread, in the engine's order
         self._tokens = itertools.count()
         self._adds: dict[int, asyncio.Future] = {}
         self._open: dict[str, RequestGroup] = {}  # request id -> its group, until its last item
-        self._lock = threading.Lock()  # the command pipe (any thread may abort) and the tables above
+        self._lock = threading.Lock()  # the command pipe and the tables above
         self._pending = 0  # sequences sent, not yet added
         self._num_waiting = self._num_running = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
         self._proc = None
         self._commands = None
-        self._results: int | None = None  # the result pipe's read end, while the event loop watches it
-        self._inbox = bytearray()  # bytes read from it, not yet a whole message
-        self._closed: asyncio.Future | None = None  # set once the pipe's end was read
+        self._reader: threading.Thread | None = None
         self._exited = False
         self._view: EngineView | None = None
 
@@ -88,9 +81,10 @@ class ProcessEngine:
         os.close(res_send)  # only the child's copy stays open: its exit is this side's EOF
         self._commands = Connection(cmd_send, readable=False)
         self._commands.send(self.config)
-        os.set_blocking(res_recv, False)
-        self._results, self._closed = res_recv, self._loop.create_future()
-        self._loop.add_reader(res_recv, self._on_readable)
+        results = Connection(res_recv, writable=False)
+        self._reader = threading.Thread(target=self._read, args=(results,), name="twospeed-engine-reader",
+                                        daemon=True)
+        self._reader.start()
 
     async def ready(self) -> EngineView:
         return await asyncio.shield(self._ready)
@@ -113,11 +107,8 @@ class ProcessEngine:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             await asyncio.to_thread(self._proc.wait, 5)
-        if self._closed is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._closed), timeout)
-            except TimeoutError:  # the process is gone; its pipe's end is read when the loop gets to it
-                pass
+        if self._reader is not None:
+            await asyncio.to_thread(self._reader.join, timeout)
 
     # -- event-loop side ------------------------------------------------------------------------
     @property
@@ -163,53 +154,33 @@ class ProcessEngine:
         except (OSError, ValueError):  # the engine process is gone: the reader ends what was open
             pass
 
-    # -- the result pipe, on the event loop ------------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        """Read what has arrived and handle each whole message; at the pipe's end (the engine process exited or
-        stopped), end what is open."""
+    # -- reader thread --------------------------------------------------------------------------
+    def _read(self, results) -> None:
         try:
             while True:
-                chunk = os.read(self._results, 1 << 20)
-                if not chunk:
-                    return self._close()
-                self._inbox += chunk
-                if len(chunk) < 1 << 20:
-                    break
-        except BlockingIOError:
-            pass
-        except OSError:
-            return self._close()
-        for message in _messages(self._inbox):
-            try:
-                match message:
+                match results.recv():
                     case Outbox() as box:
                         self._receive(box)
                     case Ready(facts):
                         self._started(facts)
                     case StartFailed(error):
-                        resolve_future(self._ready, error, None)
+                        self._loop.call_soon_threadsafe(resolve_future, self._ready, error, None)
                     case Stopped():
-                        return self._close()
-            except Exception:
-                log.exception("handling the engine process's message failed")
-
-    def _close(self) -> None:
-        if self._results is None:
-            return
-        self._loop.remove_reader(self._results)
-        os.close(self._results)
-        self._results = None
+                        break
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("reading the engine process failed")
         self._ended()
-        resolve_future(self._closed, None, None)
 
     def _started(self, facts: EngineFacts) -> None:
         try:
             view = EngineView([facts], load_tokenizer(facts))
         except Exception as e:
-            resolve_future(self._ready, e, None)
+            self._loop.call_soon_threadsafe(resolve_future, self._ready, e, None)
             return
         self._view = view
-        resolve_future(self._ready, None, view)
+        self._loop.call_soon_threadsafe(resolve_future, self._ready, None, view)
 
     def _receive(self, box: Outbox) -> None:
         if box.cost_profile is not None and self._view is not None:
@@ -221,7 +192,7 @@ class ProcessEngine:
                 self._pending -= done.count
                 resolved.append((self._adds.pop(done.token), done.error))
         for future, error in resolved:
-            resolve_future(future, error, None)
+            self._loop.call_soon_threadsafe(resolve_future, future, error, None)
         verdicts = {}
         for event in box.events:
             if isinstance(event, FinishEvent):
@@ -239,7 +210,7 @@ class ProcessEngine:
                     del self._open[item.request_id]
                 batch.append((group, item))
         if batch:
-            deliver_items(batch)
+            self._loop.call_soon_threadsafe(deliver_items, batch)
 
     def _ended(self) -> None:
         """The engine process is gone (stopped, or died): end everything still open with an error."""
@@ -249,31 +220,14 @@ class ProcessEngine:
             open_, self._open = list(self._open.items()), {}
             self._pending = 0
         why = str(_gone(self._proc))
-        resolve_future(self._ready, RuntimeError(why), None)
+        if not self._ready.done():
+            self._loop.call_soon_threadsafe(resolve_future, self._ready, RuntimeError(why), None)
         for future in adds:
-            resolve_future(future, _gone(self._proc), None)
+            self._loop.call_soon_threadsafe(resolve_future, future, _gone(self._proc), None)
         batch = [(group, StreamItem(rid, _choice(group, rid), None, error=EngineError(why))) for rid, group in open_]
         if batch:
-            deliver_items(batch)
+            self._loop.call_soon_threadsafe(deliver_items, batch)
 
-
-
-def _messages(inbox: bytearray):
-    """Take the whole messages off the front of `inbox` (multiprocessing.Connection's framing: a 4-byte big-endian
-    length, or -1 and an 8-byte one, then the pickle), leaving a partial one there."""
-    at = 0
-    while len(inbox) - at >= 4:
-        (n,), head = struct.unpack_from("!i", inbox, at), 4
-        if n == -1:
-            if len(inbox) - at < 12:
-                break
-            (n,), head = struct.unpack_from("!Q", inbox, at + 4), 12
-        if len(inbox) - at - head < n:
-            break
-        message = pickle.loads(memoryview(inbox)[at + head:at + head + n])
-        at += head + n
-        yield message
-    del inbox[:at]
 
 
 def _gone(proc) -> EngineGone:
