@@ -1,9 +1,10 @@
-"""The AVX2 widening kernel (model/csrc/linear_widen.c) against this machine's bandwidth, at decode-sized row counts.
+"""The AVX2 widening kernel (model/csrc/linear_widen.c) against this machine's bandwidth, at decode-sized row counts
+and the prompt chunks beside decodes.
 
     .venv/bin/python benchmarks/bench_widen.py [--threads 2] [--reps 7]
 
 32 distinct bf16 linears of the ~100M benchmark Llama's MLP shapes (2048 x 768 and 768 x 2048, 100 MB in all, so
-each call streams its weight from memory) through `widened_linear` at 1 to 32 activation rows: best-of-reps ms for
+each call streams its weight from memory) through `widened_linear` at 1 to 256 activation rows: best-of-reps ms for
 the 32 calls, the weight bytes a second, and GFLOP/s. The copy bandwidth (plan/hardware.measure_local: bytes read
 plus written over the time of a large copy, the roofline's figure) is measured before and after, for the ratio.
 Prints markdown; writes nothing.
@@ -35,7 +36,7 @@ def main() -> int:
     total = sum(w.numel() * 2 for w in weights)
     copy = [measure_local("cpu", seconds=2.0, dtypes=("float32",)).copy_bandwidth]
     print("| rows | 32 linears (ms) | weight GB/s | GFLOP/s |\n|---:|---:|---:|---:|")
-    for rows in (1, 2, 4, 8, 16, 32):
+    for rows in (1, 2, 4, 8, 16, 32, 48, 128, 256):
         xs = {k: torch.randn(rows, k, generator=g) for k in (768, 2048)}
         best = float("inf")
         for _ in range(args.reps):

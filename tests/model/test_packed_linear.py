@@ -212,6 +212,19 @@ def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
     assert torch.equal(packed(strided), y)
 
 
+@needs_widen_kernel
+@pytest.mark.parametrize("shape,bias", SHAPES)
+def test_widening_kernel_gives_a_row_the_same_bits_in_any_batch(shape, bias):
+    """Past one block of rows each weight block is widened once for all of them: the same products in the same
+    order, so a row's output is the one it gets alone (a stream's tokens do not depend on its batch)."""
+    lin, x = widened_linear(shape, bias, 37, 37)
+    packed = PackedLinear.from_linear(lin, "widen")
+    y = packed(x)
+    for r in (0, 5, 36):
+        assert torch.equal(packed(x[r:r + 1]), y[r:r + 1])
+        assert torch.equal(packed(x[r:r + 6]), y[r:r + 6][:len(x[r:r + 6])])
+
+
 @pytest.mark.parametrize("packing,make,within,rows", [
     pytest.param("cpu", bf16_linear, within_one_rounding, 9, marks=needs_linear_kernel),
     pytest.param("widen", widened_linear, within_fp32_summation, 3, marks=needs_widen_kernel)])
