@@ -92,11 +92,10 @@ def part_kernels(cfg: Config, model_cfg, dtype: torch.dtype, bandwidth: float) -
     for name, (quantization, stored) in variants.items():
         fmt = make_weight_format(quantization, "auto", "cpu", dtype, stored)
         own = [(n, -(-k // 256) * 256) for n, k in shapes] if name in ("q4_k", "q6_k") else shapes
-        per_layer = sum(210 * n * k // 256 if name == "q6_k" else fmt.weight_nbytes(n, k, stored) for n, k in own)
+        per_layer = sum(variant_nbytes(name, fmt, n, k, stored) for n, k in own)
         copies = max(1, cfg.kernel_mib * 2**20 // per_layer)
         try:
-            linears = [q6_k_linear(fmt, n, k, seed) if name == "q6_k" else make_linear(fmt, n, k, dtype, stored, seed)
-                       for seed in range(copies) for n, k in own]
+            linears = [variant_linear(name, fmt, n, k, dtype, stored, seed) for seed in range(copies) for n, k in own]
         except ValueError as e:  # a width that is not whole blocks
             rows.append({"variant": name, "error": str(e)})
             continue
@@ -122,10 +121,8 @@ def stream_rate(fmt, name: str, shapes: list[tuple[int, int]], dtype: torch.dtyp
     own streaming rate, without the fixed cost a small linear's call pays (the Python call into C, the threads'
     fork and join, the stream's start), which the model-shape rows include."""
     k = max(k for _, k in shapes)
-    row = (210 * k // 256 if name == "q6_k" else fmt.weight_nbytes(1, k, stored))
-    n = 64 * 2**20 // row // 8 * 8
-    linears = [q6_k_linear(fmt, n, k, seed) if name == "q6_k" else make_linear(fmt, n, k, dtype, stored, seed)
-               for seed in range(2)]
+    n = 64 * 2**20 // variant_nbytes(name, fmt, 1, k, stored) // 8 * 8
+    linears = [variant_linear(name, fmt, n, k, dtype, stored, seed) for seed in range(2)]
     xs = [torch.randn(1, k, dtype=dtype) for _ in linears]
     entries = [c_entry(lin, 1) for lin in linears]
     fns = [lin.forward for lin in linears] if None in entries else entries
@@ -182,6 +179,18 @@ def make_linear(fmt, n: int, k: int, dtype: torch.dtype, stored: torch.dtype, se
     lin.weight.weight_loader(lin.weight, w.to(lin.weight.dtype) if lin.weight.is_floating_point() else w)
     lin.finish_loading()
     return lin
+
+
+def variant_nbytes(name: str, fmt, n: int, k: int, stored: torch.dtype) -> int:
+    """Bytes of an n x k weight of the kernel table's variant `name` (q6_k: a file's Q6_K bytes)."""
+    from twospeed.model.block_kinds import KINDS
+
+    return n * KINDS["Q6_K"].row_bytes(k) if name == "q6_k" else fmt.weight_nbytes(n, k, stored)
+
+
+def variant_linear(name: str, fmt, n: int, k: int, dtype: torch.dtype, stored: torch.dtype, seed: int):
+    """A loaded linear of the kernel table's variant `name` with random weights."""
+    return q6_k_linear(fmt, n, k, seed) if name == "q6_k" else make_linear(fmt, n, k, dtype, stored, seed)
 
 
 def q6_k_linear(fmt, n: int, k: int, seed: int):
@@ -295,10 +304,9 @@ def report(cfg: Config, path: str, probes: list, kernels: list[dict], engine: li
             f"| {r['variant']} | — | — | — | — | — | — | — | — | — | {r['error']} |" if "error" in r else
             f"| {r['variant']} | {r['rows']} | {r['us_per_call']:.0f} | {r['gb_s']:.1f} | {r['of_copy']:.0%} | "
             f"{c(r)} | {big(r)} | {r['describe']} |" for r in kernels])
-        rounded = {r["variant"]: r["shapes"] for r in kernels if "shapes" in r and r["variant"] in ("q4_k", "q6_k")}
+        rounded = next((r["shapes"] for r in kernels if r["variant"] in ("q4_k", "q6_k") and "shapes" in r), None)
         if rounded:
-            lines += [f"The K-quant rows' (out, in) shapes, widths rounded up to whole 256-blocks: "
-                      f"{next(iter(rounded.values()))}.", ""]
+            lines += [f"The K-quant rows' (out, in) shapes, widths rounded up to whole 256-blocks: {rounded}.", ""]
     if engine:
         lines += table("| variant | dtype | weights | TTFT | decode tok/s | x baseline | roofline |", [
             f"| {r['variant']} | {r['dtype']} | {r['weight_mb']:.0f} MB | {r['ttft_s'] * 1e3:.0f} ms | "

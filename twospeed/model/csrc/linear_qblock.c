@@ -223,9 +223,9 @@ static inline void scales_k(const uint8_t *s, uint8_t out[16]) {
     memcpy(out, u, 16);
 }
 
-static inline __m256 u8x8_ps(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
+/* 8 bytes as 8 int32 lanes (unsigned), or as float32 */
+static inline __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline __m256 u8x8_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(u8x8(p)); }
 
 /* R activation rows x C weight rows, Q4_K super-blocks: 8 sub-blocks of 32, each w = (d sc_j) q - (dmin m_j) */
 static inline __attribute__((always_inline)) void rows_k(const int R, const int C, const uint8_t *w, int64_t wstride,
@@ -372,18 +372,18 @@ static inline __attribute__((always_inline)) void group8_k(const int R, const ui
         for (int l = 0; l < 8 * 144; l += 64) _mm_prefetch((const char *)p + 8 * 144 + l, _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
-        for (int sub = 0; sub < 8; sub++) {
-            #define SCALE_BYTE(i) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 8 * (i))))
+        for (int sub = 0; sub < 8; sub++) {  /* scale byte i of the 8 rows: u8x8(scales + 8 i) */
             __m256i sc, mn;
             if (sub < 4) {
-                sc = _mm256_and_si256(SCALE_BYTE(sub), m6);
-                mn = _mm256_and_si256(SCALE_BYTE(sub + 4), m6);
+                sc = _mm256_and_si256(u8x8(scales + 8 * sub), m6);
+                mn = _mm256_and_si256(u8x8(scales + 8 * (sub + 4)), m6);
             } else {
-                const __m256i low = SCALE_BYTE(sub + 4);
-                sc = _mm256_or_si256(_mm256_and_si256(low, m4w), _mm256_slli_epi32(_mm256_srli_epi32(SCALE_BYTE(sub - 4), 6), 4));
-                mn = _mm256_or_si256(_mm256_srli_epi32(low, 4), _mm256_slli_epi32(_mm256_srli_epi32(SCALE_BYTE(sub), 6), 4));
+                const __m256i low = u8x8(scales + 8 * (sub + 4));
+                sc = _mm256_or_si256(_mm256_and_si256(low, m4w),
+                                     _mm256_slli_epi32(_mm256_srli_epi32(u8x8(scales + 8 * (sub - 4)), 6), 4));
+                mn = _mm256_or_si256(_mm256_srli_epi32(low, 4),
+                                     _mm256_slli_epi32(_mm256_srli_epi32(u8x8(scales + 8 * sub), 6), 4));
             }
-            #undef SCALE_BYTE
             const uint8_t *qi = q + 256 * (sub / 2);
             __m256i w[8];
             for (int t = 0; t < 8; t++) {
