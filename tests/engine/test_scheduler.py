@@ -94,7 +94,9 @@ class Sim:
         self.t = math.floor(self.t) + 1.0
         if self.drafts is not None:
             self.propose()
+        before = {r.request_id for r in self.sched.running}
         out = self.sched.schedule()
+        self.check_streams([r for r in self.sched.running if r.request_id not in before])
         for c in out.chunks:  # the runner: write the KV of positions [start, start + n), drafts included
             r = c.request
             seq = r.all_token_ids + r.spec_token_ids[:c.num_draft]
@@ -146,6 +148,19 @@ class Sim:
         for i in range(len(tokens) // self.bs):
             parent = hash_block_tokens(parent, tokens[i * self.bs:(i + 1) * self.bs])
             self.real_hashes.add(parent)
+
+    def check_streams(self, started: list[Request]) -> None:
+        """Where requests started this step beside others, the decode step of every running request (each at its
+        context) is predicted within min_prompt_share of the step cap: a stream starts only where it fits."""
+        running = self.sched.running
+        if not (started and len(running) > 1 and self.cost is not None and self.cfg.itl_admission
+                and self.cfg.enable_chunked_prefill):
+            return
+        shape = StepShape()
+        for r in running:
+            shape = shape.with_chunk(r.num_tokens, 1, True, True)
+        bound = self.sched.step_cap(running) * (1 - self.cfg.min_prompt_share)
+        assert self.cost.predict(shape) <= bound * (1 + 1e-9), f"{ids(running)} started past {bound}"
 
     def check_step_time(self, out: SchedulerOutput) -> None:
         """With decodes in the step and a target, the predicted step time is within the tightest decoding request's
@@ -351,6 +366,24 @@ def test_one_block_goes_in_where_none_fits():
     assert ids(sim.sched.waiting) == ["short"]  # the one block per step went to the prompt ahead of it
 
 
+def test_a_block_past_the_itl_cap_goes_in_part():
+    """A stream decodes (FakeCost: 2 ms) under a 2 ms target: the first prompt gets one block (4 tokens, 6 ms) where
+    the cap allows it; where max_step_ms is 5 ms, the 3 tokens of it that keep the step within the cap, then the
+    one token to the block's end."""
+    def steps(max_step_ms: float) -> list:
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, max_step_ms=max_step_ms,
+                  itl_admission=False)
+        sim.add("chat", [5, 6, 7], 6)
+        sim.step()
+        sim.add("long", list(range(30, 50)), 1)
+        outs = [sim.step(), sim.step()]
+        sim.run()
+        assert sim.reqs["chat"].output_token_ids == expected_output([5, 6, 7], 6)
+        return [chunks(o) for o in outs] + [max(o.predicted_time for o in outs)]
+    assert steps(100) == [[("chat", 3, 1), ("long", 0, 4)], [("chat", 4, 1), ("long", 4, 4)], pytest.approx(0.006)]
+    assert steps(5) == [[("chat", 3, 1), ("long", 0, 3)], [("chat", 4, 1), ("long", 3, 1)], pytest.approx(0.005)]
+
+
 def chunking_long_prompt(**cfg) -> Sim:
     """A stream decoding beside a 40-token prompt being chunked under a 10 ms target (FakeCost: 1 ms a step and a
     token): after two steps the stream is at position 4 and the prompt at 8."""
@@ -440,6 +473,34 @@ def test_the_tightest_decoding_lane_sets_the_target():
     assert run({"a": 0.030, "b": 0.020}) == [decodes + [("long", 0, 4)], 0.010]  # 7 tokens fit: one block of 4
     assert run({"a": math.inf, "b": None})[1] == 0.050  # b has no lane SLO: the default
     assert run({"a": math.inf, "b": math.inf}) == [decodes + [("long", 0, 40)], None]
+
+
+def test_streams_start_only_while_their_decode_step_fits_the_cap():
+    """A step costs 1 ms + 1 ms a row (FakeCost), max_step_ms 10, min_prompt_share 0.5: decodes may take 5 ms, so
+    four streams run and four wait, each starting as one finishes, every output the fake model's own. With a lane's
+    ITL objective of 20 ms (x 0.8: the cap is 16 ms) seven run; with itl_admission off, all eight, as vLLM admits."""
+    def crowd(itl_target=None, **cfg) -> tuple[Sim, list[Request], list[int]]:
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, max_step_ms=10, **cfg)
+        reqs = [sim.add(f"s{i}", [5, 6, 7 + i], 6) for i in range(8)]
+        for r in reqs:
+            r.itl_target = itl_target
+        widths = []
+        while sim.sched.has_unfinished():
+            sim.step()
+            widths.append(len(sim.sched.running))
+        return sim, reqs, widths
+
+    sim, reqs, widths = crowd()
+    assert max(widths) == 4 and widths[0] == 4
+    assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 6) for r in reqs)
+    assert sim.kv.num_free_blocks == 64
+    assert max(crowd(itl_target=0.020)[2]) == 7
+    assert max(crowd(itl_admission=False)[2]) == 8
+    alone = Sim(64, 4, cost_model=FakeCost(base=0.020), max_num_batched_tokens=64, max_step_ms=10)
+    alone.add("a", [5, 6, 7], 2)
+    alone.add("b", [5, 6, 8], 2)
+    assert [len(o.chunks) for o in (alone.step(), alone.step(), alone.step())] == [1, 1, 1]  # one at a time
+    alone.run()
 
 
 def test_without_a_target_the_share_is_the_budget():

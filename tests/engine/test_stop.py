@@ -18,8 +18,9 @@ from twospeed.engine.sampling_params import SamplingParams
 from twospeed.engine.stop import Stop, check_stop
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCH_FREE = ("twospeed.engine.scheduler", "twospeed.engine.prompt_share", "twospeed.engine.kv_cache",
-              "twospeed.engine.request", "twospeed.engine.cost_model", "twospeed.engine.stop", "twospeed.config",
+TORCH_FREE = ("twospeed.engine.scheduler", "twospeed.engine.prompt_share", "twospeed.engine.stream_room",
+              "twospeed.engine.kv_cache", "twospeed.engine.request", "twospeed.engine.cost_model", "twospeed.engine.stop",
+              "twospeed.config",
               "twospeed.plan.sim", "twospeed.plan.capacity", "twospeed.plan.sim_results")
 
 

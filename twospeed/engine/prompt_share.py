@@ -3,9 +3,10 @@
 The token budget bounds it; beside decodes, the explicit cap (`max_prefill_tokens_while_decoding`) and the step
 target do too: the step's time, predicted by the scheduler's cost model (engine/cost_model.py), stays within the
 tightest target of the decoding requests (Scheduler.step_target), stretched where decodes alone take more than
-(1 - `min_prompt_share`) of it. A chunk cut by the target ends on a block boundary, so the prefix cache sees
-whole blocks; a step's first prompt chunk that cannot fit even one block gets one block, so a prompt always
-advances. Bookkeeping only, like the scheduler that owns it: no torch, no clock.
+(1 - `min_prompt_share`) of it up to the step cap (Scheduler.step_cap). A chunk cut by the target ends on a block
+boundary, so the prefix cache sees whole blocks; a step's first prompt chunk that cannot fit even one block gets
+one block, so a prompt always advances, or where one block would take the step past the cap, what fits of it
+(one token at least): the cap is the streams' ITL objective, the target only a wish. Bookkeeping only, like the scheduler that owns it: no torch, no clock.
 """
 
 from __future__ import annotations
@@ -76,14 +77,33 @@ class PromptShare:
                 hi = mid
         if lo:
             return ends[lo - 1] - start
-        return (ends[0] - start if ends else n) if not self.prefill_tokens else 0  # one block, if the first
+        if self.prefill_tokens:
+            return 0
+        return self._first_block(req, start, ends[0] - start if ends else n)
+
+    def _first_block(self, req: Request, start: int, n: int) -> int:
+        """The tokens of a step's first prompt chunk where none fits the target: its next block (n tokens), or where
+        that would take the step past the decoding streams' ITL cap, the most of them within it, one at least."""
+        cap = self.sched.step_cap(self.decoding)
+        if self._within(start, n, False, req, cap):
+            return n
+        lo, hi = 1, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._within(start, mid, False, req, cap):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _effective(self, target: float | None) -> float | None:
-        """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it."""
+        """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it, never past the
+        step cap (the decoding streams' ITL objectives, else max_step_ms)."""
         share = self.sched.cfg.min_prompt_share
         if target is None or not share:
             return target
-        return max(target, self.sched.cost_model.predict(self.decode_shape) / (1 - share))
+        stretched = self.sched.cost_model.predict(self.decode_shape) / (1 - share)
+        return max(target, min(stretched, self.sched.step_cap(self.decoding)))
 
     def _for_queue(self, rate: float) -> float:
         """The step time at which prompt tokens go at `rate` tokens/s beside this step's decodes, within the ITL

@@ -54,6 +54,7 @@ from twospeed.engine.cost_model import StepCostModel, StepShape
 from twospeed.engine.kv_cache import KVCacheManager
 from twospeed.engine.prompt_share import PromptShare
 from twospeed.engine.request import Request, RequestStatus
+from twospeed.engine.stream_room import StreamRoom
 
 
 @dataclass(slots=True)
@@ -181,7 +182,8 @@ class Scheduler:
                 n, freed = self._place(req, budget, scheduled, out, drafts=True)
                 budget += freed - n
         share = PromptShare(self, list(scheduled.values()), budget)
-        short = self._short_prompts(share, budget, prompts) if self.cfg.short_prompts_first else []
+        streams = StreamRoom(self)
+        short = self._short_prompts(share, budget, prompts, streams) if self.cfg.short_prompts_first else []
         budget -= sum(n for _, n in short)
         for req in prompts:
             if share.room(budget) <= 0:
@@ -208,6 +210,8 @@ class Scheduler:
         while (self.waiting and share.room(budget) > 0 and len(self.running) < self.cfg.max_num_seqs
                and not out.preempted):
             req = self.waiting[0]
+            if not streams.take(req):
+                break
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = req.num_tokens - num_cached
@@ -222,7 +226,8 @@ class Scheduler:
         share.report(out)
         return out
 
-    def _short_prompts(self, share: PromptShare, budget: int, prompts: list[Request]) -> list[tuple[Request, int]]:
+    def _short_prompts(self, share: PromptShare, budget: int, prompts: list[Request],
+                       streams: StreamRoom) -> list[tuple[Request, int]]:
         """Waiting prompts whose whole uncached rest fits this step, to be admitted ahead of the prompts they would
         wait behind (their share is held in `share` now): (request, tokens). Under a time-sized step a 2k-token
         prompt is chunked over a second or two, and a 100-token chat prompt queued behind it waited all of that for
@@ -246,7 +251,8 @@ class Scheduler:
             num_cached = len(self._cached_prefix(req)) * bs
             n = req.num_tokens - num_cached
             blocks = -(-n // bs)
-            if rank(req) <= overtaken and blocks <= free and share.whole(req, num_cached, budget):
+            if (rank(req) <= overtaken and blocks <= free and share.whole(req, num_cached, budget)
+                    and streams.take(req)):
                 picked.append((req, n))
                 share.add(ScheduledChunk(req, num_cached, n))
                 budget, free = budget - n, free - blocks

@@ -1,0 +1,54 @@
+"""How many streams a step can carry: a waiting request starts only while the decode step it would join stays
+within what the streams' ITL objectives allow.
+
+Past some batch a CPU's decode step is compute-bound: another stream adds its rows' time to every other stream's gap
+and no throughput. The ~100M Llama in float32 on two AVX2 cores decodes 16 streams in ~47 ms a step and 32 in ~89 ms
+(340 and 360 tokens/s): twice every stream's gap for 6% more output, before a prompt chunk joins the step. Here the
+scheduler admits a request only while the predicted decode step of every running request and it (each at its
+context; a request still in its prompt counts as the stream it becomes) leaves `min_prompt_share` of the step cap
+(Scheduler.step_cap: the tightest ITL objective x itl_objective_share, else max_step_ms) to prompt chunks; a request
+with nothing running always starts. Where the decode step is cheap (a fast GEMM, a small model) `max_num_seqs` binds
+first, as in vLLM; where it is not, the queue waits instead of every stream. Bookkeeping only, like the scheduler
+that owns it: no torch, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from twospeed.engine.cost_model import StepShape
+from twospeed.engine.request import Request
+
+if TYPE_CHECKING:
+    from twospeed.engine.scheduler import Scheduler
+
+
+class StreamRoom:
+    """The decode step of the running requests, as the cost model prices it; `take` admits one more if it fits."""
+
+    def __init__(self, sched: Scheduler):
+        cfg = sched.cfg
+        self.sched = sched
+        self.enabled = cfg.itl_admission and sched.cost_model is not None and cfg.enable_chunked_prefill
+        self.streams = list(sched.running)
+        self.shape = StepShape()
+        for req in self.streams:
+            self.shape = _with_stream(self.shape, req)
+
+    def take(self, req: Request) -> bool:
+        """req may start: its decode row joins the step within the bound (counted from now on); False: it waits."""
+        if self.enabled and self.streams:
+            shape = _with_stream(self.shape, req)
+            cap = self.sched.step_cap(self.streams + [req])
+            if self.sched.cost_model.predict(shape) > cap * (1 - self.sched.cfg.min_prompt_share):
+                return False
+            self.shape = shape
+        else:
+            self.shape = _with_stream(self.shape, req)
+        self.streams.append(req)
+        return True
+
+
+def _with_stream(shape: StepShape, req: Request) -> StepShape:
+    """shape plus req's decode row over its whole context so far."""
+    return shape.with_chunk(req.num_tokens, 1, True, True)
