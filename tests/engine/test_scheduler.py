@@ -151,15 +151,17 @@ class Sim:
 
     def check_streams(self, started: list[Request]) -> None:
         """Where requests started this step beside others, the decode step of every running request (each at its
-        context) is predicted within min_prompt_share of the step cap: a stream starts only where it fits."""
+        context) is predicted within min_prompt_share of their tightest ITL objective (x itl_objective_share): a
+        stream starts only where it fits."""
         running = self.sched.running
+        cap = self.sched.itl_cap(running)
         if not (started and len(running) > 1 and self.cost is not None and self.cfg.itl_admission
-                and self.cfg.enable_chunked_prefill):
+                and self.cfg.enable_chunked_prefill and cap is not None):
             return
         shape = StepShape()
         for r in running:
             shape = shape.with_chunk(r.num_tokens, 1, True, True)
-        bound = self.sched.step_cap(running) * (1 - self.cfg.min_prompt_share)
+        bound = cap * (1 - self.cfg.min_prompt_share)
         assert self.cost.predict(shape) <= bound * (1 + 1e-9), f"{ids(running)} started past {bound}"
 
     def check_step_time(self, out: SchedulerOutput) -> None:
@@ -366,22 +368,22 @@ def test_one_block_goes_in_where_none_fits():
     assert ids(sim.sched.waiting) == ["short"]  # the one block per step went to the prompt ahead of it
 
 
-def test_a_block_past_the_itl_cap_goes_in_part():
+def test_a_block_past_the_itl_objective_goes_in_part():
     """A stream decodes (FakeCost: 2 ms) under a 2 ms target: the first prompt gets one block (4 tokens, 6 ms) where
-    the cap allows it; where max_step_ms is 5 ms, the 3 tokens of it that keep the step within the cap, then the
-    one token to the block's end."""
-    def steps(max_step_ms: float) -> list:
-        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, max_step_ms=max_step_ms,
-                  itl_admission=False)
-        sim.add("chat", [5, 6, 7], 6)
+    the stream has no ITL objective; where its lane's objective allows 5 ms (6.25 ms x 0.8), the 3 tokens of it that
+    keep the step within it, then the one token to the block's end."""
+    def steps(itl_target: float | None) -> list:
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, itl_admission=False)
+        sim.add("chat", [5, 6, 7], 6).itl_target = itl_target
         sim.step()
         sim.add("long", list(range(30, 50)), 1)
         outs = [sim.step(), sim.step()]
         sim.run()
         assert sim.reqs["chat"].output_token_ids == expected_output([5, 6, 7], 6)
         return [chunks(o) for o in outs] + [max(o.predicted_time for o in outs)]
-    assert steps(100) == [[("chat", 3, 1), ("long", 0, 4)], [("chat", 4, 1), ("long", 4, 4)], pytest.approx(0.006)]
-    assert steps(5) == [[("chat", 3, 1), ("long", 0, 3)], [("chat", 4, 1), ("long", 3, 1)], pytest.approx(0.005)]
+    assert steps(None) == [[("chat", 3, 1), ("long", 0, 4)], [("chat", 4, 1), ("long", 4, 4)], pytest.approx(0.006)]
+    assert steps(0.00625) == [[("chat", 3, 1), ("long", 0, 3)], [("chat", 4, 1), ("long", 3, 1)],
+                              pytest.approx(0.005)]
 
 
 def chunking_long_prompt(**cfg) -> Sim:
@@ -475,12 +477,13 @@ def test_the_tightest_decoding_lane_sets_the_target():
     assert run({"a": math.inf, "b": math.inf}) == [decodes + [("long", 0, 40)], None]
 
 
-def test_streams_start_only_while_their_decode_step_fits_the_cap():
-    """A step costs 1 ms + 1 ms a row (FakeCost), max_step_ms 10, min_prompt_share 0.5: decodes may take 5 ms, so
-    four streams run and four wait, each starting as one finishes, every output the fake model's own. With a lane's
-    ITL objective of 20 ms (x 0.8: the cap is 16 ms) seven run; with itl_admission off, all eight, as vLLM admits."""
+def test_streams_start_only_while_their_decode_step_fits_the_objective():
+    """A step costs 1 ms + 1 ms a row (FakeCost), min_prompt_share 0.5. Under a 12.5 ms ITL objective (x 0.8: 10
+    ms) decodes may take 5 ms, so four streams run and four wait, each starting as one finishes, every output the
+    fake model's own; under 20 ms (16 ms) seven run; without objectives, or with itl_admission off, all eight (as
+    vLLM admits)."""
     def crowd(itl_target=None, **cfg) -> tuple[Sim, list[Request], list[int]]:
-        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, max_step_ms=10, **cfg)
+        sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, **cfg)
         reqs = [sim.add(f"s{i}", [5, 6, 7 + i], 6) for i in range(8)]
         for r in reqs:
             r.itl_target = itl_target
@@ -490,15 +493,16 @@ def test_streams_start_only_while_their_decode_step_fits_the_cap():
             widths.append(len(sim.sched.running))
         return sim, reqs, widths
 
-    sim, reqs, widths = crowd()
+    sim, reqs, widths = crowd(itl_target=0.0125)
     assert max(widths) == 4 and widths[0] == 4
     assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 6) for r in reqs)
     assert sim.kv.num_free_blocks == 64
     assert max(crowd(itl_target=0.020)[2]) == 7
-    assert max(crowd(itl_admission=False)[2]) == 8
-    alone = Sim(64, 4, cost_model=FakeCost(base=0.020), max_num_batched_tokens=64, max_step_ms=10)
-    alone.add("a", [5, 6, 7], 2)
-    alone.add("b", [5, 6, 8], 2)
+    assert max(crowd()[2]) == 8
+    assert max(crowd(itl_target=0.0125, itl_admission=False)[2]) == 8
+    alone = Sim(64, 4, cost_model=FakeCost(base=0.020), max_num_batched_tokens=64)
+    for rid, last in (("a", 7), ("b", 8)):
+        alone.add(rid, [5, 6, last], 2).itl_target = 0.0125
     assert [len(o.chunks) for o in (alone.step(), alone.step(), alone.step())] == [1, 1, 1]  # one at a time
     alone.run()
 

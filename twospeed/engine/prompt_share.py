@@ -3,10 +3,10 @@
 The token budget bounds it; beside decodes, the explicit cap (`max_prefill_tokens_while_decoding`) and the step
 target do too: the step's time, predicted by the scheduler's cost model (engine/cost_model.py), stays within the
 tightest target of the decoding requests (Scheduler.step_target), stretched where decodes alone take more than
-(1 - `min_prompt_share`) of it up to the step cap (Scheduler.step_cap). A chunk cut by the target ends on a block
-boundary, so the prefix cache sees whole blocks; a step's first prompt chunk that cannot fit even one block gets
-one block, so a prompt always advances, or where one block would take the step past the cap, what fits of it
-(one token at least): the cap is the streams' ITL objective, the target only a wish. Bookkeeping only, like the scheduler that owns it: no torch, no clock.
+(1 - `min_prompt_share`) of it, up to the decoding streams' ITL objectives (Scheduler.itl_cap). A chunk cut by the
+target ends on a block boundary, so the prefix cache sees whole blocks; a step's first prompt chunk that cannot fit
+even one block gets one block, so a prompt always advances, or where one block would take the step past those
+objectives, what fits of it (one token at least): an objective is a promise, the target only a wish. Bookkeeping only, like the scheduler that owns it: no torch, no clock.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ class PromptShare:
 
     def _first_block(self, req: Request, start: int, n: int) -> int:
         """The tokens of a step's first prompt chunk where none fits the target: its next block (n tokens), or where
-        that would take the step past the decoding streams' ITL cap, the most of them within it, one at least."""
-        cap = self.sched.step_cap(self.decoding)
-        if self._within(start, n, False, req, cap):
+        that would take the step past the decoding streams' ITL objectives, the most of them within, one at least."""
+        cap = self.sched.itl_cap(self.decoding)
+        if cap is None or self._within(start, n, False, req, cap):
             return n
         lo, hi = 1, n - 1
         while lo < hi:
@@ -98,12 +98,13 @@ class PromptShare:
 
     def _effective(self, target: float | None) -> float | None:
         """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it, never past the
-        step cap (the decoding streams' ITL objectives, else max_step_ms)."""
+        decoding streams' ITL objectives (Scheduler.itl_cap)."""
         share = self.sched.cfg.min_prompt_share
         if target is None or not share:
             return target
         stretched = self.sched.cost_model.predict(self.decode_shape) / (1 - share)
-        return max(target, min(stretched, self.sched.step_cap(self.decoding)))
+        cap = self.sched.itl_cap(self.decoding)
+        return max(target, stretched if cap is None else min(stretched, cap))
 
     def _for_queue(self, rate: float) -> float:
         """The step time at which prompt tokens go at `rate` tokens/s beside this step's decodes, within the ITL

@@ -303,10 +303,18 @@ class Scheduler:
     def step_cap(self, decoding: list[Request]) -> float:
         """Seconds a step may grow to for queued prompts: the tightest ITL objective of the decoding requests
         (x itl_objective_share), else max_step_ms."""
+        cap = self.itl_cap(decoding)
+        return self.cfg.max_step_ms / 1e3 if cap is None else cap
+
+    def itl_cap(self, decoding: list[Request]) -> float | None:
+        """Seconds no step is planned past, decodes alone aside: the tightest ITL objective of these requests (x
+        itl_objective_share); None where none has one. An objective is a promise kept strictly (a stream starts only
+        within it, a prompt's block is cut to it, decodes that fill the target stretch the step only up to it);
+        without one a step may stretch further under load, as throughput and TTFT ask."""
         share = self.cfg.itl_objective_share
         own = [r.itl_target * share for r in decoding
                if r.itl_target is not None and not math.isinf(r.itl_target) and share > 0]
-        return min(own, default=self.cfg.max_step_ms / 1e3)
+        return min(own, default=None)
 
     def queued_prefill_rate(self) -> float:
         """Prompt tokens per second that keep every queued prompt (part-computed, then waiting, in the order they

@@ -3,13 +3,14 @@ within what the streams' ITL objectives allow.
 
 Past some batch a CPU's decode step is compute-bound: another stream adds its rows' time to every other stream's gap
 and no throughput. The ~100M Llama in float32 on two AVX2 cores decodes 16 streams in ~47 ms a step and 32 in ~89 ms
-(340 and 360 tokens/s): twice every stream's gap for 6% more output, before a prompt chunk joins the step. Here the
-scheduler admits a request only while the predicted decode step of every running request and it (each at its
-context; a request still in its prompt counts as the stream it becomes) leaves `min_prompt_share` of the step cap
-(Scheduler.step_cap: the tightest ITL objective x itl_objective_share, else max_step_ms) to prompt chunks; a request
-with nothing running always starts. Where the decode step is cheap (a fast GEMM, a small model) `max_num_seqs` binds
-first, as in vLLM; where it is not, the queue waits instead of every stream. Bookkeeping only, like the scheduler
-that owns it: no torch, no clock.
+(340 and 360 tokens/s): twice every stream's gap for 6% more output, before a prompt chunk joins the step. Where the
+streams' lanes have ITL objectives the scheduler admits a request only while the predicted decode step of every
+running request and it (each at its context; a request still in its prompt counts as the stream it becomes) leaves
+`min_prompt_share` of the tightest objective (Scheduler.itl_cap: x itl_objective_share) to prompt chunks; a request
+with nothing running always starts. Without objectives `max_num_seqs` is the bound, as in vLLM: on the overloaded
+mixed workload a bound from `max_step_ms` alone kept chat's gaps within 0.25 s but left short prompts queued behind
+long ones for 100 s (BENCHMARKS.md), a trade a lane asks for with its objective, not one to impose. Bookkeeping
+only, like the scheduler that owns it: no torch, no clock.
 """
 
 from __future__ import annotations
@@ -37,14 +38,11 @@ class StreamRoom:
 
     def take(self, req: Request) -> bool:
         """req may start: its decode row joins the step within the bound (counted from now on); False: it waits."""
-        if self.enabled and self.streams:
-            shape = _with_stream(self.shape, req)
-            cap = self.sched.step_cap(self.streams + [req])
-            if self.sched.cost_model.predict(shape) > cap * (1 - self.sched.cfg.min_prompt_share):
-                return False
-            self.shape = shape
-        else:
-            self.shape = _with_stream(self.shape, req)
+        shape = _with_stream(self.shape, req)
+        cap = self.sched.itl_cap(self.streams + [req]) if self.enabled and self.streams else None
+        if cap is not None and self.sched.cost_model.predict(shape) > cap * (1 - self.sched.cfg.min_prompt_share):
+            return False
+        self.shape = shape
         self.streams.append(req)
         return True
 
