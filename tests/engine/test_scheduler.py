@@ -480,13 +480,13 @@ def test_the_tightest_decoding_lane_sets_the_target():
 def test_streams_start_only_while_their_decode_step_fits_the_objective():
     """A step costs 1 ms + 1 ms a row (FakeCost), min_prompt_share 0.5. Under a 12.5 ms ITL objective (x 0.8: 10
     ms) decodes may take 5 ms, so four streams run and four wait, each starting as one finishes, every output the
-    fake model's own; under 20 ms (16 ms) seven run; without objectives, or with itl_admission off, all eight (as
-    vLLM admits)."""
+    fake model's own (four also where every other request has it); under 20 ms (16 ms) seven run; without
+    objectives, or with itl_admission off, all eight (as vLLM admits)."""
     def crowd(itl_target=None, **cfg) -> tuple[Sim, list[Request], list[int]]:
         sim = Sim(64, 4, cost_model=FakeCost(), max_num_batched_tokens=64, target_step_ms=2, **cfg)
         reqs = [sim.add(f"s{i}", [5, 6, 7 + i], 6) for i in range(8)]
-        for r in reqs:
-            r.itl_target = itl_target
+        for i, r in enumerate(reqs):
+            r.itl_target = itl_target[i % 2] if isinstance(itl_target, tuple) else itl_target
         widths = []
         while sim.sched.has_unfinished():
             sim.step()
@@ -498,6 +498,7 @@ def test_streams_start_only_while_their_decode_step_fits_the_objective():
     assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 6) for r in reqs)
     assert sim.kv.num_free_blocks == 64
     assert max(crowd(itl_target=0.020)[2]) == 7
+    assert max(crowd(itl_target=(None, 0.0125))[2]) == 4  # one lane's objective binds the streams beside it too
     assert max(crowd()[2]) == 8
     assert max(crowd(itl_target=0.0125, itl_admission=False)[2]) == 8
     alone = Sim(64, 4, cost_model=FakeCost(base=0.020), max_num_batched_tokens=64)

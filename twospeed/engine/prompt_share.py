@@ -2,11 +2,12 @@
 
 The token budget bounds it; beside decodes, the explicit cap (`max_prefill_tokens_while_decoding`) and the step
 target do too: the step's time, predicted by the scheduler's cost model (engine/cost_model.py), stays within the
-tightest target of the decoding requests (Scheduler.step_target), stretched where decodes alone take more than
-(1 - `min_prompt_share`) of it, up to the decoding streams' ITL objectives (Scheduler.itl_cap). A chunk cut by the
-target ends on a block boundary, so the prefix cache sees whole blocks; a step's first prompt chunk that cannot fit
-even one block gets one block, so a prompt always advances, or where one block would take the step past those
-objectives, what fits of it (one token at least): an objective is a promise, the target only a wish. Bookkeeping only, like the scheduler that owns it: no torch, no clock.
+tightest target of the decoding requests (Scheduler.step_target), stretched where decodes alone take more than (1 -
+`min_prompt_share`) of it, up to the decoding streams' ITL objectives (Scheduler.itl_cap). A chunk cut by the target
+ends on a block boundary, so the prefix cache sees whole blocks; a step's first prompt chunk that cannot fit even
+one block gets one block, so a prompt always advances, or where one block would take the step past those objectives,
+what fits of it (one token at least): an objective is a promise, the target only a wish. Bookkeeping only, like the
+scheduler that owns it: no torch, no clock.
 """
 
 from __future__ import annotations

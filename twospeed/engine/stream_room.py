@@ -31,18 +31,28 @@ class StreamRoom:
         cfg = sched.cfg
         self.sched = sched
         self.enabled = cfg.itl_admission and sched.cost_model is not None and cfg.enable_chunked_prefill
-        self.streams = list(sched.running)
-        self.shape = StepShape()
-        for req in self.streams:
-            self.shape = _with_stream(self.shape, req)
+        self.streams = list(sched.running)  # running, then those taken this step
+        self.cap = sched.itl_cap(self.streams) if self.enabled else None  # their tightest objective
+        self.shape: StepShape | None = None  # their decode step, priced only once a cap asks for it
 
     def take(self, req: Request) -> bool:
         """req may start: its decode row joins the step within the bound (counted from now on); False: it waits."""
-        shape = _with_stream(self.shape, req)
-        cap = self.sched.itl_cap(self.streams + [req]) if self.enabled and self.streams else None
-        if cap is not None and self.sched.cost_model.predict(shape) > cap * (1 - self.sched.cfg.min_prompt_share):
-            return False
-        self.shape = shape
+        if not self.enabled:
+            return True
+        own = self.sched.itl_cap([req])
+        cap = min((c for c in (self.cap, own) if c is not None), default=None)
+        if cap is not None and self.streams:
+            if self.shape is None:
+                self.shape = StepShape()
+                for r in self.streams:
+                    self.shape = _with_stream(self.shape, r)
+            shape = _with_stream(self.shape, req)
+            if self.sched.cost_model.predict(shape) > cap * (1 - self.sched.cfg.min_prompt_share):
+                return False
+            self.shape = shape
+        elif self.shape is not None:
+            self.shape = _with_stream(self.shape, req)
+        self.cap = cap
         self.streams.append(req)
         return True
 
