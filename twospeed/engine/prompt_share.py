@@ -12,6 +12,7 @@ scheduler that owns it: no torch, no clock.
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 from twospeed.engine.cost_model import StepShape
@@ -68,34 +69,24 @@ class PromptShare:
             return max(n, 0)
         self.time_bound = True
         bs = self.block_size
-        ends = range((start // bs + 1) * bs, start + n, bs)  # block boundaries inside the chunk
-        lo, hi = 0, len(ends)  # the last end that fits is ends[lo - 1] (none when lo == 0)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._within(start, ends[mid] - start, False, req, self.target):
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo:
-            return ends[lo - 1] - start
+        sizes = range((start // bs + 1) * bs - start, n, bs)  # chunks that end on a block boundary inside this one
+        fit = self._fitting(req, start, sizes, self.target)
+        if fit:
+            return sizes[fit - 1]
         if self.prefill_tokens:
             return 0
-        return self._first_block(req, start, ends[0] - start if ends else n)
+        return self._first_block(req, start, sizes[0] if sizes else n)
 
     def _first_block(self, req: Request, start: int, n: int) -> int:
         """The tokens of a step's first prompt chunk where none fits the target: its next block (n tokens), or where
         that would take the step past the decoding streams' ITL objectives, the most of them within, one at least."""
         cap = self.sched.itl_cap(self.decoding)
-        if cap is None or self._within(start, n, False, req, cap):
-            return n
-        lo, hi = 1, n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._within(start, mid, False, req, cap):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return n if cap is None else max(1, self._fitting(req, start, range(1, n + 1), cap))
+
+    def _fitting(self, req: Request, start: int, sizes: range, target: float) -> int:
+        """How many of the chunk sizes (ascending) keep the step within target: a step's predicted time never falls
+        as a chunk grows, so they are a prefix, found by bisection."""
+        return bisect.bisect_left(sizes, True, key=lambda m: not self._within(start, m, False, req, target))
 
     def _effective(self, target: float | None) -> float | None:
         """The target, stretched where decodes alone take more than (1 - min_prompt_share) of it, never past the
