@@ -18,7 +18,7 @@ from torch import nn
 from conftest import ARCH_CONFIGS, needs_kernel, write_hf_checkpoint
 from twospeed import LLM, SamplingParams
 from twospeed.model.loader import load_model
-from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, TILES_MAX_ROWS, TILES_MIN_ROWS, WIDEN_MAX_ROWS,
+from twospeed.model.packed_linear import (AMX_KERNEL_MAX_ROWS, TILES_MAX_ROWS, TILES_MIN_ROWS,
                                           PackedLinear, amx_kernel, can_use_onednn, has_amx, linear_kernel,
                                           onednn_rows, resolve_linear_backend, widen_kernel)
 
@@ -198,7 +198,7 @@ def within_fp32_summation(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> b
 
 
 @needs_widen_kernel
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 6, 37, WIDEN_MAX_ROWS, WIDEN_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 37, 300])  # streamed up to 8 rows, chunked past
 @pytest.mark.parametrize("shape,bias", SHAPES)
 def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
     lin, x = widened_linear(shape, bias, rows, rows)
@@ -215,14 +215,14 @@ def test_widening_kernel_is_float32_exact_up_to_summation(rows, shape, bias):
 @needs_widen_kernel
 @pytest.mark.parametrize("shape,bias", SHAPES)
 def test_widening_kernel_gives_a_row_the_same_bits_in_any_batch(shape, bias):
-    """Past one block of rows each weight block is widened once for all of them: the same products in the same
-    order, so a row's output is the one it gets alone (a stream's tokens do not depend on its batch)."""
-    lin, x = widened_linear(shape, bias, 37, 37)
+    """Streamed (up to 8 rows) or widened once into chunks (more), every output is the same FMA chain over k, so a
+    row's output is the one it gets alone (a stream's tokens do not depend on its batch), a prefill chunk's too."""
+    lin, x = widened_linear(shape, bias, 300, 37)
     packed = PackedLinear.from_linear(lin, "widen")
     y = packed(x)
-    for r in (0, 5, 36):
-        assert torch.equal(packed(x[r:r + 1]), y[r:r + 1])
-        assert torch.equal(packed(x[r:r + 6]), y[r:r + 6][:len(x[r:r + 6])])
+    for r in (0, 5, 36, 299):
+        for width in (1, 2, 3, 6, 9, 37):
+            assert torch.equal(packed(x[r:r + width]), y[r:r + width])
 
 
 @pytest.mark.parametrize("packing,make,within,rows", [

@@ -17,10 +17,10 @@ same `forward(x, bias)`:
   call). On Zen 4 bit-identical to `F.linear` at every batch size; on Sapphire Rapids (AMX) oneDNN picks another
   kernel for the prepacked weight than for `F.linear`, so they agree to one bf16 rounding step, as the C kernel.
 - "cpu" on a CPU without bf16 kernels (`WidenPacking`): a bf16 checkpoint there computes in float32
-  (model/compute_dtype.py), but its weights stay bf16 and csrc/linear_widen.c (AVX2 + FMA) widens them in
-  registers: half the bytes a decode step streams, and on par with the BLAS up to a few hundred rows. Beyond
-  `WIDEN_MAX_ROWS` rows the weight is widened for the BLAS. Same float32 products as float32 weights; the sums
-  run in another order.
+  (model/compute_dtype.py), but its weights stay bf16, in k-major panels of 16 rows, and csrc/linear_widen.c
+  (AVX2 + FMA) widens them in registers: half the bytes a decode step streams, and GEMM micro-kernels for
+  batched steps and prefill chunks alike. Same float32 products as float32 weights, summed over k in order, so a
+  row gets the same bits in any batch.
 - "torch" (`PlainWeight`): `F.linear`, any device and dtype: the portable path the others are tested against.
 - "auto": the C kernel where it builds (a C compiler and AVX-512 BF16), else oneDNN where it has bf16 kernels,
   else the widening kernel for a bf16 checkpoint computed in float32, else plain. A linear with an odd input
@@ -208,11 +208,10 @@ class KernelPacking:
         return y.view(*lead, self.out_features)
 
 
-# Rows up to this many take csrc/linear_widen.c, more the BLAS over the widened weight. 16 distinct 2048 x 768
-# linears (streamed from memory), two threads on an AVX2 Zen 3, ms, kernel / widen + BLAS / float32 weights + BLAS:
-# 27.8 / 106 / 43.9 at 32 rows, 88.2 / 125 / 112 at 128, 193 / 192 / 182 at 256, 380 / 337 / 312 at 512; at 1-8 rows
-# (32 linears) 9.5-13.8 against 19.4-37.9 for float32 weights (BENCHMARKS.md).
+# int8 rows up to this many take csrc/linear_widen.c, more the portable path (model/quant.py); the decode graph
+# runs its widened calls up to this many rows.
 WIDEN_MAX_ROWS = 256
+PANEL_ROWS = 16  # csrc/linear_widen.c's NR: bf16 weight rows per k-major panel
 
 
 @lru_cache(maxsize=1)
@@ -222,11 +221,22 @@ def widen_kernel() -> ctypes.CDLL | None:
                                          "linear_widen_i8": [_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I]})
 
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """csrc/linear_widen.c: float32 x [..., K] times weight [N, K], bf16 (scale None) or int8 with a float32
-    scale per row; any row count (callers send more than WIDEN_MAX_ROWS to the BLAS instead)."""
+def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> csrc/linear_widen.c's bf16 panels [ceil(N / 16), K, 16]: 16 weight rows k-major, the last
+    zero-padded, so each k of a panel is two float32 vectors once widened."""
     n, k = weight.shape
+    panels = -(-n // PANEL_ROWS)
+    padded = torch.zeros(panels * PANEL_ROWS, k, dtype=torch.bfloat16, device=weight.device)
+    padded[:n] = weight
+    return padded.view(panels, PANEL_ROWS, k).transpose(1, 2).contiguous()
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                   n: int | None = None) -> torch.Tensor:
+    """csrc/linear_widen.c: float32 x [..., K] times a bf16 weight in panels (scale None; n its rows) or int8
+    bytes [N, K] with a float32 scale per row; any row count."""
+    k = weight.shape[1] if scale is None else weight.shape[-1]
+    n = weight.shape[0] if n is None else n
     lead = x.shape[:-1]
     x2 = rows_2d(x, k)
     m = x2.shape[0]
@@ -241,34 +251,36 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return y.view(*lead, n)
 
 
-def widen_graph_call(weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> GraphCall | None:
-    """csrc/linear_widen.c's graph entry over a bf16 weight (scale None) or int8 bytes with float32 row scales."""
+def widen_graph_call(weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                     n: int | None = None) -> GraphCall | None:
+    """csrc/linear_widen.c's graph entry over bf16 panels (scale None; n their weight rows) or int8 bytes with
+    float32 row scales."""
     if bias is not None and bias.dtype != torch.float32:
         return None
     run = ctypes.cast(widen_kernel().widen_graph_linear, ctypes.c_void_p).value
-    n, k = weight.shape
+    k = weight.shape[1] if scale is None else weight.shape[-1]
+    n = weight.shape[0] if n is None else n
     return GraphCall(run, weight.data_ptr(), None if scale is None else scale.data_ptr(),
                      None if bias is None else bias.data_ptr(), 0, 0, n, k, WIDEN_MAX_ROWS)
 
 
 class WidenPacking:
-    """bf16 weights for float32 activations: csrc/linear_widen.c up to WIDEN_MAX_ROWS rows (each weight read from
-    memory once, two bytes), the BLAS over the widened weight beyond. Built from a float32 tensor holding bf16 values
-    (a bf16 checkpoint loaded in float32), so storing it in bf16 loses nothing."""
+    """bf16 weights for float32 activations: csrc/linear_widen.c over the weight in k-major panels at every row
+    count (each weight read from memory once a step, two bytes; at 512-2048 rows on par with or ahead of the
+    float32 BLAS over a widened copy). Built from a float32 tensor holding bf16 values (a bf16 checkpoint loaded in
+    float32), so storing it in bf16 loses nothing."""
 
     name = "widen"
 
     def __init__(self, weight: torch.Tensor):
-        self.weight = weight.to(torch.bfloat16).contiguous()
-        self.out_features, self.in_features = self.weight.shape
+        self.out_features, self.in_features = weight.shape
+        self.weight = bf16_panels(weight.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() > WIDEN_MAX_ROWS * self.in_features:
-            return F.linear(x, self.weight.to(x.dtype), bias)
-        return widened_linear(x, self.weight, None, bias)
+        return widened_linear(x, self.weight, None, bias, self.out_features)
 
     def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
-        return widen_graph_call(self.weight, None, bias)
+        return widen_graph_call(self.weight, None, bias, self.out_features)
 
 
 PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, WidenPacking, PlainWeight)}

@@ -5,19 +5,30 @@
  * widens them in registers (a bf16 is the top half of a float32: zero-extend, shift left 16), so a step reads half
  * the bytes and every product is the exact float32 product of the stored values:
  *
- *   y[m][n] = sum_k x[m][k] * float(w[n][k]) + bias[n]      (float32 sums; the order differs from a GEMM's)
+ *   y[m][n] = sum_k x[m][k] * float(w[n][k]) + bias[n]      (float32 sums, k in order, one FMA each)
  *
- * A thread takes a tile of 48 weight rows at a time; blocks of 4 activation rows x 3 weight rows run as 12
- * register accumulators over k (each x load feeds three FMAs, each widened weight four), and every block of
- * activation rows sweeps the tile while it sits in L2, so W is read from memory once per call; the first sweep
- * prefetches the rows a few blocks ahead. Prefill-sized
- * steps are a tuned GEMM's job: past WIDEN_MAX_ROWS the caller widens the weight for the BLAS
- * (model/packed_linear.py).
+ * bf16 weights come in panels (model/packed_linear.py packs them once): NR = 16 weight rows k-major, [K][NR], the
+ * last panel zero-padded, panel after panel. Each k of a panel is then two float32 vectors, and a block of
+ * activation rows runs as outer products: per k, the two panel vectors, one broadcast of each x row, two FMAs a
+ * row, into register accumulators that each hold one output's sum, the GEMM micro-kernel form. No horizontal sums
+ * and no transposes, so the FMA units set the pace once a step has more than 8 rows:
+ * - more than 8 rows: a thread widens KC k of a panel into a float32 chunk in L1 and runs blocks of up to MR rows
+ *   over it, adding into y across the chunks; the chunk after next is prefetched while one is widened, so memory
+ *   reads overlap arithmetic. Each weight is widened once per call.
+ * - up to 8 rows (decode): memory-bound; the panels stream once, widened in registers, rows in blocks of up to
+ *   four; four panels side by side for one row (eight accumulators: enough independent FMAs to hide their
+ *   latency), two for two rows, one for three or four.
+ * Every output is the same FMA chain over k at every row count, so a row gets the same bits in any batch.
  *
- * The same blocks serve int8 weights (model/quant.py's format: one byte a weight, a float32 scale per row,
- * y = scale[n] * (x . q[n]) + bias[n]; an int8 is exact in float32): a quarter of float32's bytes.
+ * int8 weights (model/quant.py's format: one byte a weight row-major, a float32 scale per row,
+ * y = scale[n] * (x . q[n]) + bias[n]; an int8 is exact in float32; a quarter of float32's bytes) run as
+ * dot-product blocks: a thread takes a tile of 48 weight rows; blocks of 4 activation rows x 3 weight rows run as
+ * 12 register accumulators over k, and every block of activation rows sweeps the tile while it sits in L2, so the
+ * weights are read from memory once per call; the first sweep prefetches the rows a few blocks ahead.
  *
- * x [M, K] float32 (row stride ldx), w [N, K] row-major, bias [N] float32 or NULL, y [M, N] (row stride ldy).
+ * bf16 panels serve any row count (a prefill chunk too); int8 past WIDEN_MAX_ROWS takes model/quant.py's
+ * portable path.
+ * x [M, K] float32 (row stride ldx), bias [N] float32 or NULL, y [M, N] (row stride ldy).
  */
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "twospeed-unsupported: needs AVX2 and FMA (avx2, fma)"
@@ -28,27 +39,17 @@
 #include "bf16.h"
 #include "graph.h"
 
+/* -- int8 rows ------------------------------------------------------------------------------------------------- */
 #define MB 4    /* activation rows per register block */
 #define NB 3    /* weight rows per register block: MB x NB accumulators + NB widened weights + one x vector = 16 */
-#define TILE 48 /* weight rows a thread takes at a time (a multiple of NB): its bf16 rows stay in L2 while every
-                   block of activation rows sweeps them, so W is read from memory once per call */
+#define TILE 48 /* weight rows a thread takes at a time (a multiple of NB): its rows stay in L2 while every block
+                   of activation rows sweeps them, so the weights are read from memory once per call */
 
 #define PF_BLOCKS 2 /* how far ahead the first sweep prefetches: each block reads NB rows of K at once, streams too
                        short for the hardware prefetcher to run ahead (1-8 rows on a Zen 3: +15-25% bandwidth) */
 
-#define FMT_BF16 0
-#define FMT_INT8 1  /* one byte a weight and a float32 scale per weight row (model/quant.py's int8) */
-
-static inline __m256 widen8(const void *w, int64_t at, int fmt) {
-    if (fmt == FMT_BF16) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)w + at))));
-}
-
-static inline float widen1(const void *w, int64_t at, int fmt) {
-    return fmt == FMT_BF16 ? bf16_to_f32(((const uint16_t *)w)[at]) : (float)((const int8_t *)w)[at];
+static inline __m256 widen8_i8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
 
 static inline float hsum(__m256 v) {
@@ -59,21 +60,19 @@ static inline float hsum(__m256 v) {
 }
 
 /* y[r][c] = scale[c] * sum_k x[r][k] w[c][k] + bias[c] for r < R, c < C (constants where inlined: R <= MB,
-   C <= NB; fmt too). w points at weight row 0 of the block; scale and bias at its first row, or NULL. */
-static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const void *w, int K,
+   C <= NB). w points at weight row 0 of the block; scale and bias at its first row (bias may be NULL). */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t ldx, const int8_t *w, int K,
                                                         const float *scale, const float *bias, float *y,
-                                                        int64_t ldy, int R, int C, int fmt, int pf) {
+                                                        int64_t ldy, int R, int C, int pf) {
     __m256 acc[MB][NB];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) {
         if (pf && (k & 31) == 0)  /* a cache line of each row PF_BLOCKS blocks ahead: the streams are short */
-            for (int c = 0; c < C; c++)
-                _mm_prefetch((const char *)w + ((int64_t)(c + PF_BLOCKS * NB) * K + k) * (fmt == FMT_BF16 ? 2 : 1),
-                             _MM_HINT_T0);
+            for (int c = 0; c < C; c++) _mm_prefetch((const char *)(w + (int64_t)(c + PF_BLOCKS * NB) * K + k), _MM_HINT_T0);
         __m256 wv[NB];
-        for (int c = 0; c < C; c++) wv[c] = widen8(w, (int64_t)c * K + k, fmt);
+        for (int c = 0; c < C; c++) wv[c] = widen8_i8(w + (int64_t)c * K + k);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -82,33 +81,28 @@ static inline __attribute__((always_inline)) void block(const float *x, int64_t 
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * widen1(w, (int64_t)c * K + kk, fmt);
-            y[r * ldy + c] = (scale ? s * scale[c] : s) + (bias ? bias[c] : 0.0f);
+            for (int kk = k; kk < K; kk++) s += x[r * ldx + kk] * (float)w[(int64_t)c * K + kk];
+            y[r * ldy + c] = s * scale[c] + (bias ? bias[c] : 0.0f);
         }
 }
 
-/* One instantiation per (R, C, format), so every loop above unrolls over registers. */
-#define BLOCK(R, C) block(x, ldx, w, K, scale, bias, y, ldy, R, C, FMT, pf)
-#define DISPATCH(name, FMT_VALUE)                                                                                 \
-    static void name(const float *x, int64_t ldx, const void *w, int K, const float *scale, const float *bias,  \
-                     float *y, int64_t ldy, int R, int C, int pf) {                                             \
-        enum { FMT = FMT_VALUE };                                                                               \
-        switch (R * 4 + C) {                                                                                    \
-            case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;                            \
-            case 4 * 4 + 1: BLOCK(4, 1); break;  case 3 * 4 + 3: BLOCK(3, 3); break;                            \
-            case 3 * 4 + 2: BLOCK(3, 2); break;  case 3 * 4 + 1: BLOCK(3, 1); break;                            \
-            case 2 * 4 + 3: BLOCK(2, 3); break;  case 2 * 4 + 2: BLOCK(2, 2); break;                            \
-            case 2 * 4 + 1: BLOCK(2, 1); break;  case 1 * 4 + 3: BLOCK(1, 3); break;                            \
-            case 1 * 4 + 2: BLOCK(1, 2); break;  default: BLOCK(1, 1); break;                                   \
-        }                                                                                                       \
+/* One instantiation per (R, C), so every loop above unrolls over registers. */
+#define BLOCK(R, C) block(x, ldx, w, K, scale, bias, y, ldy, R, C, pf)
+static void block_int8(const float *x, int64_t ldx, const int8_t *w, int K, const float *scale, const float *bias,
+                       float *y, int64_t ldy, int R, int C, int pf) {
+    switch (R * 4 + C) {
+        case 4 * 4 + 3: BLOCK(4, 3); break;  case 4 * 4 + 2: BLOCK(4, 2); break;
+        case 4 * 4 + 1: BLOCK(4, 1); break;  case 3 * 4 + 3: BLOCK(3, 3); break;
+        case 3 * 4 + 2: BLOCK(3, 2); break;  case 3 * 4 + 1: BLOCK(3, 1); break;
+        case 2 * 4 + 3: BLOCK(2, 3); break;  case 2 * 4 + 2: BLOCK(2, 2); break;
+        case 2 * 4 + 1: BLOCK(2, 1); break;  case 1 * 4 + 3: BLOCK(1, 3); break;
+        case 1 * 4 + 2: BLOCK(1, 2); break;  default: BLOCK(1, 1); break;
     }
-DISPATCH(block_bf16, FMT_BF16)
-DISPATCH(block_int8, FMT_INT8)
+}
 
-static void linear(const float *x, int64_t ldx, const void *w, int fmt, const float *scale, const float *bias,
-                   float *y, int64_t ldy, int M, int N, int K, int threads) {
+static void linear_int8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias,
+                        float *y, int64_t ldy, int M, int N, int K, int threads) {
     const int tiles = (N + TILE - 1) / TILE;
-    const int64_t row_bytes = (int64_t)K * (fmt == FMT_BF16 ? 2 : 1);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int n_end = (t + 1) * TILE < N ? (t + 1) * TILE : N;
@@ -116,32 +110,213 @@ static void linear(const float *x, int64_t ldx, const void *w, int fmt, const fl
             const int R = M - m < MB ? M - m : MB;
             for (int n = t * TILE; n < n_end; n += NB) {
                 const int C = n_end - n < NB ? n_end - n : NB;
-                const void *wn = (const char *)w + n * row_bytes;
-                const float *sn = scale ? scale + n : NULL, *bn = bias ? bias + n : NULL;
-                float *yn = y + (int64_t)m * ldy + n;
                 const int pf = m == 0 && n + NB < n_end;  /* the first sweep streams the tile from memory */
-                if (fmt == FMT_BF16) block_bf16(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C, pf);
-                else block_int8(x + (int64_t)m * ldx, ldx, wn, K, sn, bn, yn, ldy, R, C, pf);
+                block_int8(x + (int64_t)m * ldx, ldx, w + (int64_t)n * K, K, scale + n, bias ? bias + n : NULL,
+                           y + (int64_t)m * ldy + n, ldy, R, C, pf);
             }
         }
     }
 }
 
-/* bf16 weights w [N, K] */
+/* -- bf16 panels ------------------------------------------------------------------------------------------------ */
+#define NR 16             /* weight rows per panel: two float32 vectors a k */
+#define MR 6              /* activation rows per chunk block: 2 x MR accumulators + 2 panel vectors + 1 broadcast */
+#define KC 256            /* k per float32 chunk: KC x NR x 4 bytes = 16 KB, in L1 */
+#define CHUNK_MIN_ROWS 9  /* from here each weight is widened once into a chunk; below, in registers per row block */
+#define PF_AHEAD 512      /* bytes ahead a streaming panel prefetches: too few rows for the hardware prefetcher */
+
+static inline void widen16(const uint16_t *w, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
+    *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 8))), 16));
+}
+
+/* y[r][j] = out[r][j] + bias[j] for r < R, j < C (the panel's real rows). The sums come in memory: handing the
+   register accumulators to a function would keep them there through the whole k loop. */
+static inline void store_rows(float out[][NR], const float *bias, float *y, int64_t ldy, int R, int C) {
+    for (int r = 0; r < R; r++) {
+        if (C == NR) {
+            __m256 a0 = _mm256_load_ps(out[r]), a1 = _mm256_load_ps(out[r] + 8);
+            if (bias) {
+                a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
+                a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
+            }
+            _mm256_storeu_ps(y + r * ldy, a0);
+            _mm256_storeu_ps(y + r * ldy + 8, a1);
+        } else {
+            for (int j = 0; j < C; j++) y[r * ldy + j] = out[r][j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+
+/* Rows from CHUNK_MIN_ROWS: the R (a constant where inlined) rows' sums over one float32 chunk p [kn][NR], added to
+   the running sums in y unless `first`; on the `last` chunk the bias joins them. */
+static inline __attribute__((always_inline)) void chunk_block(const float *x, int64_t ldx, const float *p, int kn,
+                                                              const float *bias, float *y, int64_t ldy, int R,
+                                                              int C, int first, int last) {
+    __m256 acc[MR][2];
+    if (first) {
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    } else if (C == NR) {
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm256_loadu_ps(y + r * ldy);
+            acc[r][1] = _mm256_loadu_ps(y + r * ldy + 8);
+        }
+    } else {
+        float in[MR][NR] __attribute__((aligned(32)));
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NR; j++) in[r][j] = j < C ? y[r * ldy + j] : 0.0f;
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {
+            acc[r][0] = _mm256_load_ps(in[r]);
+            acc[r][1] = _mm256_load_ps(in[r] + 8);
+        }
+    }
+    for (int k = 0; k < kn; k++) {
+        const __m256 w0 = _mm256_load_ps(p + k * NR), w1 = _mm256_load_ps(p + k * NR + 8);
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    float out[MR][NR] __attribute__((aligned(32)));
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {
+        _mm256_store_ps(out[r], acc[r][0]);
+        _mm256_store_ps(out[r] + 8, acc[r][1]);
+    }
+    store_rows(out, last ? bias : NULL, y, ldy, R, C);
+}
+
+static void chunk_rows(const float *x, int64_t ldx, const float *p, int kn, const float *bias, float *y,
+                       int64_t ldy, int R, int C, int first, int last) {
+    switch (R) {
+        case 6: chunk_block(x, ldx, p, kn, bias, y, ldy, 6, C, first, last); break;
+        case 5: chunk_block(x, ldx, p, kn, bias, y, ldy, 5, C, first, last); break;
+        case 4: chunk_block(x, ldx, p, kn, bias, y, ldy, 4, C, first, last); break;
+        case 3: chunk_block(x, ldx, p, kn, bias, y, ldy, 3, C, first, last); break;
+        case 2: chunk_block(x, ldx, p, kn, bias, y, ldy, 2, C, first, last); break;
+        default: chunk_block(x, ldx, p, kn, bias, y, ldy, 1, C, first, last); break;
+    }
+}
+
+static inline int panel_cols(int N, int t) { return N - t * NR < NR ? N - t * NR : NR; }
+
+static void panels_chunked(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                           int M, int N, int K, int threads) {
+    const int panels = (N + NR - 1) / NR, chunks = (K + KC - 1) / KC;
+    const int blocks = (M + MR - 1) / MR;  /* the rows in near-equal blocks of at most MR: 16 -> 6, 5, 5 */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < panels; t++) {
+        float p[KC * NR] __attribute__((aligned(64)));
+        const int C = panel_cols(N, t);
+        for (int c = 0; c < chunks; c++) {
+            const int k0 = c * KC, kn = K - k0 < KC ? K - k0 : KC;
+            const uint16_t *src = w + ((int64_t)t * K + k0) * NR;
+            /* the chunk after next, in this thread's order (panel by panel, chunk by chunk), or past the end */
+            const int64_t ahead = (int64_t)t * chunks + c + 2;
+            const int pf = ahead < (int64_t)panels * chunks;
+            const uint16_t *pf_src = w + ((ahead / chunks) * K + ahead % chunks * KC) * NR;
+            for (int k = 0; k < kn; k++) {
+                if (pf && (k & 1) == 0) _mm_prefetch((const char *)(pf_src + k * NR), _MM_HINT_T0);
+                __m256 lo, hi;
+                widen16(src + k * NR, &lo, &hi);
+                _mm256_store_ps(p + k * NR, lo);
+                _mm256_store_ps(p + k * NR + 8, hi);
+            }
+            for (int b = 0, m = 0; b < blocks; b++) {
+                const int R = (M - m) / (blocks - b);
+                chunk_rows(x + (int64_t)m * ldx + k0, ldx, p, kn, bias ? bias + t * NR : NULL,
+                           y + (int64_t)m * ldy + t * NR, ldy, R, C, c == 0, c == chunks - 1);
+                m += R;
+            }
+        }
+    }
+}
+
+/* Fewer rows: G panels side by side (R x 2G <= 8 accumulators), widened in registers from the stream. */
+static inline __attribute__((always_inline)) void stream_block(const float *x, int64_t ldx, const uint16_t *w,
+                                                               int K, const float *bias, float *y, int64_t ldy,
+                                                               int N, int t, int R, int G) {
+    __m256 acc[4][4][2];  /* [panel][row][half] */
+    _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[g][r][0] = acc[g][r][1] = _mm256_setzero_ps();
+    const int64_t panel = (int64_t)K * NR;
+    const uint16_t *src = w + t * panel;
+    for (int k = 0; k < K; k++) {
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {
+            const uint16_t *at = src + g * panel + k * NR;
+            if ((k & 1) == 0) _mm_prefetch((const char *)at + PF_AHEAD, _MM_HINT_T0);
+            __m256 w0, w1;
+            widen16(at, &w0, &w1);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+                acc[g][r][0] = _mm256_fmadd_ps(xb, w0, acc[g][r][0]);
+                acc[g][r][1] = _mm256_fmadd_ps(xb, w1, acc[g][r][1]);
+            }
+        }
+    }
+    float out[4][4][NR] __attribute__((aligned(32)));
+    _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            _mm256_store_ps(out[g][r], acc[g][r][0]);
+            _mm256_store_ps(out[g][r] + 8, acc[g][r][1]);
+        }
+    for (int g = 0; g < G; g++)
+        store_rows(out[g], bias ? bias + (t + g) * NR : NULL, y + (t + g) * NR, ldy, R, panel_cols(N, t + g));
+}
+
+static void stream_rows(const float *x, int64_t ldx, const uint16_t *w, int K, const float *bias, float *y,
+                        int64_t ldy, int N, int t, int R, int G) {
+    switch (R * 8 + G) {
+        case 1 * 8 + 4: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 1, 4); break;
+        case 2 * 8 + 2: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 2, 2); break;
+        case 4 * 8 + 1: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 4, 1); break;
+        case 3 * 8 + 1: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 3, 1); break;
+        case 2 * 8 + 1: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 2, 1); break;
+        default: stream_block(x, ldx, w, K, bias, y, ldy, N, t, 1, 1); break;
+    }
+}
+
+/* A thread takes four panels at a time; the rows run in near-equal blocks of at most four (7 -> 4, 3), each over
+   the four panels in groups of G (1 row: all four at once; 2 rows: two; more: one). */
+static void panels_streamed(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y,
+                            int64_t ldy, int M, int N, int K, int threads) {
+    const int panels = (N + NR - 1) / NR, quads = (panels + 3) / 4, blocks = (M + 3) / 4;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int q = 0; q < quads; q++) {
+        const int here = panels - 4 * q < 4 ? panels - 4 * q : 4;
+        for (int b = 0, m = 0; b < blocks; b++) {
+            const int R = (M - m) / (blocks - b), G = R == 1 ? 4 : R == 2 ? 2 : 1;
+            for (int t = 4 * q, g; t < 4 * q + here; t += g) {
+                g = 4 * q + here - t < G ? 1 : G;  /* the last quad may hold fewer panels */
+                stream_rows(x + (int64_t)m * ldx, ldx, w, K, bias, y + (int64_t)m * ldy, ldy, N, t, R, g);
+            }
+            m += R;
+        }
+    }
+}
+
+static void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                        int M, int N, int K, int threads) {
+    if (M >= CHUNK_MIN_ROWS) panels_chunked(x, ldx, w, bias, y, ldy, M, N, K, threads);
+    else panels_streamed(x, ldx, w, bias, y, ldy, M, N, K, threads);
+}
+
+/* bf16 weights in panels (above): ceil(N / NR) x K x NR */
 void linear_widen(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
                   int M, int N, int K, int threads) {
-    linear(x, ldx, w, FMT_BF16, NULL, bias, y, ldy, M, N, K, threads);
+    linear_bf16(x, ldx, w, bias, y, ldy, M, N, K, threads);
 }
 
 /* int8 weights w [N, K] with a float32 scale per row: y = scale[n] * (x . w[n]) + bias[n] */
 void linear_widen_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias, float *y,
                      int64_t ldy, int M, int N, int K, int threads) {
-    linear(x, ldx, w, FMT_INT8, scale, bias, y, ldy, M, N, K, threads);
+    linear_int8(x, ldx, w, scale, bias, y, ldy, M, N, K, threads);
 }
 
-/* the decode graph's entry (graph.h): int8 where the call carries scales, else bf16 */
+/* the decode graph's entry (graph.h): int8 rows where the call carries scales, else bf16 panels */
 int widen_graph_linear(const GraphLinear *op, const float *x, int64_t ldx, float *y, int64_t ldy, int M,
                        int threads) {
-    linear(x, ldx, op->w, op->scale ? FMT_INT8 : FMT_BF16, op->scale, op->bias, y, ldy, M, op->N, op->K, threads);
+    if (op->scale) linear_int8(x, ldx, op->w, op->scale, op->bias, y, ldy, M, op->N, op->K, threads);
+    else linear_bf16(x, ldx, op->w, op->bias, y, ldy, M, op->N, op->K, threads);
     return 0;
 }
