@@ -2,8 +2,8 @@
 within what the streams' ITL objectives allow.
 
 Past some batch a CPU's decode step is compute-bound: another stream adds its rows' time to every other stream's gap
-and no throughput. The ~100M Llama in float32 on two AVX2 cores decodes 16 streams in ~47 ms a step and 32 in ~89 ms
-(340 and 360 tokens/s): twice every stream's gap for 6% more output, before a prompt chunk joins the step. Where the
+and little throughput: the ~100M Llama in float32 on two AVX2 cores takes about twice as long a step for 32 streams
+as for 16 (BENCHMARKS.md), twice every stream's gap for a little more output, before a prompt chunk joins. Where the
 streams' lanes have ITL objectives the scheduler admits a request only while the predicted decode step of every
 running request and it (each at its context; a request still in its prompt counts as the stream it becomes) leaves
 `min_prompt_share` of the tightest objective (Scheduler.itl_cap: x itl_objective_share) to prompt chunks; a request
