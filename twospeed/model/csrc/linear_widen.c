@@ -14,7 +14,7 @@
  * and no transposes, so the FMA units set the pace once a step has more than 8 rows:
  * - more than 8 rows: a thread widens KC k of a panel into a float32 chunk in L1 and runs blocks of up to MR rows
  *   over it, adding into y across the chunks; the chunk after next is prefetched while one is widened, so memory
- *   reads overlap arithmetic. Each weight is widened once per call.
+ *   reads overlap arithmetic. Each weight is widened once per pass of up to MC rows.
  * - up to 8 rows (decode): memory-bound; the panels stream once, widened in registers, rows in blocks of up to
  *   four; four panels side by side for one row (eight accumulators: enough independent FMAs to hide their
  *   latency), two for two rows, one for three or four.
@@ -122,6 +122,7 @@ static void linear_int8(const float *x, int64_t ldx, const int8_t *w, const floa
 #define NR 16             /* weight rows per panel: two float32 vectors a k */
 #define MR 6              /* activation rows per chunk block: 2 x MR accumulators + 2 panel vectors + 1 broadcast */
 #define KC 256            /* k per float32 chunk: KC x NR x 4 bytes = 16 KB, in L1 */
+#define MC 256            /* rows a pass takes past 8: MC x KC x 4 bytes = 256 KB of activations, in L2 */
 #define CHUNK_MIN_ROWS 9  /* from here each weight is widened once into a chunk; below, in registers per row block */
 #define PF_AHEAD 512      /* bytes ahead a streaming panel prefetches: too few rows for the hardware prefetcher */
 
@@ -200,8 +201,8 @@ static void chunk_rows(const float *x, int64_t ldx, const float *p, int kn, cons
 
 static inline int panel_cols(int N, int t) { return N - t * NR < NR ? N - t * NR : NR; }
 
-static void panels_chunked(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-                           int M, int N, int K, int threads) {
+static void panels_pass(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                        int M, int N, int K, int threads) {
     const int panels = (N + NR - 1) / NR, chunks = (K + KC - 1) / KC;
     const int blocks = (M + MR - 1) / MR;  /* the rows in near-equal blocks of at most MR: 16 -> 6, 5, 5 */
     #pragma omp parallel for num_threads(threads) schedule(static)
@@ -229,6 +230,19 @@ static void panels_chunked(const float *x, int64_t ldx, const uint16_t *w, const
                 m += R;
             }
         }
+    }
+}
+
+/* Past MC rows (a prefill chunk) the rows go in passes of at most MC, so a pass's activations for one chunk of k
+   (MC x KC floats, 256 KB) stay in L2 while every panel of the weight runs over them; the weights stream once a
+   pass. */
+static void panels_chunked(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                           int M, int N, int K, int threads) {
+    const int passes = (M + MC - 1) / MC;
+    for (int p = 0, m = 0; p < passes; p++) {
+        const int R = (M - m) / (passes - p);
+        panels_pass(x + (int64_t)m * ldx, ldx, w, bias, y + (int64_t)m * ldy, ldy, R, N, K, threads);
+        m += R;
     }
 }
 
