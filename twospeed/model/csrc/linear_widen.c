@@ -131,8 +131,8 @@ static inline void widen16(const uint16_t *w, __m256 *lo, __m256 *hi) {
     *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 8))), 16));
 }
 
-/* y[r][j] = out[r][j] + bias[j] for r < R, j < C (the panel's real rows). The sums come in memory: handing the
-   register accumulators to a function would keep them there through the whole k loop. */
+/* y[r][j] = out[r][j] + bias[j] for r < R, j < C (the panel's real rows). The sums come through memory: handing
+   the register accumulators themselves to a function makes GCC keep a copy of them in memory, a store per FMA. */
 static inline void store_rows(float out[][NR], const float *bias, float *y, int64_t ldy, int R, int C) {
     for (int r = 0; r < R; r++) {
         if (C == NR) {
