@@ -208,10 +208,9 @@ class KernelPacking:
         return y.view(*lead, self.out_features)
 
 
-# int8 rows up to this many take csrc/linear_widen.c, more the portable path (model/quant.py); the decode graph
-# runs its widened calls up to this many rows.
+# The decode graph runs its widened calls up to this many rows.
 WIDEN_MAX_ROWS = 256
-PANEL_ROWS = 16  # csrc/linear_widen.c's NR: bf16 weight rows per k-major panel
+PANEL_ROWS = 16  # csrc/linear_widen.c's NR: weight rows per k-major panel
 
 
 @lru_cache(maxsize=1)
@@ -221,22 +220,26 @@ def widen_kernel() -> ctypes.CDLL | None:
                                          "linear_widen_i8": [_P, _L, _P, _P, _P, _P, _L, _I, _I, _I, _I]})
 
 
-def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> csrc/linear_widen.c's bf16 panels [ceil(N / 16), K, 16]: 16 weight rows k-major, the last
-    zero-padded, so each k of a panel is two float32 vectors once widened."""
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> csrc/linear_widen.c's panels [ceil(N / 16), K, 16] in the same dtype: 16 weight rows k-major, the
+    last zero-padded, so each k of a panel is two float32 vectors once widened."""
     n, k = weight.shape
     panels = -(-n // PANEL_ROWS)
-    padded = torch.zeros(panels * PANEL_ROWS, k, dtype=torch.bfloat16, device=weight.device)
+    padded = torch.zeros(panels * PANEL_ROWS, k, dtype=weight.dtype, device=weight.device)
     padded[:n] = weight
     return padded.view(panels, PANEL_ROWS, k).transpose(1, 2).contiguous()
 
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                   n: int | None = None) -> torch.Tensor:
-    """csrc/linear_widen.c: float32 x [..., K] times a bf16 weight in panels (scale None; n its rows) or int8
-    bytes [N, K] with a float32 scale per row; any row count."""
-    k = weight.shape[1] if scale is None else weight.shape[-1]
-    n = weight.shape[0] if n is None else n
+def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """to_panels' inverse: the [N, K] weight."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+
+
+def widened_linear(x: torch.Tensor, panels: torch.Tensor, n: int, scale: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/linear_widen.c: float32 x [..., K] times n weight rows in panels (to_panels), bf16 (scale None) or int8
+    with a float32 scale per row; any row count."""
+    k = panels.shape[1]
     lead = x.shape[:-1]
     x2 = rows_2d(x, k)
     m = x2.shape[0]
@@ -244,24 +247,22 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     if m:
         lib, b, threads = widen_kernel(), None if bias is None else bias.data_ptr(), torch.get_num_threads()
         if scale is None:
-            lib.linear_widen(x2.data_ptr(), x2.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, n, k, threads)
+            lib.linear_widen(x2.data_ptr(), x2.stride(0), panels.data_ptr(), b, y.data_ptr(), n, m, n, k, threads)
         else:
-            lib.linear_widen_i8(x2.data_ptr(), x2.stride(0), weight.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
+            lib.linear_widen_i8(x2.data_ptr(), x2.stride(0), panels.data_ptr(), scale.data_ptr(), b, y.data_ptr(), n,
                                 m, n, k, threads)
     return y.view(*lead, n)
 
 
-def widen_graph_call(weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                     n: int | None = None) -> GraphCall | None:
-    """csrc/linear_widen.c's graph entry over bf16 panels (scale None; n their weight rows) or int8 bytes with
-    float32 row scales."""
+def widen_graph_call(panels: torch.Tensor, n: int, scale: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> GraphCall | None:
+    """csrc/linear_widen.c's graph entry over n weight rows in panels, bf16 (scale None) or int8 with float32 row
+    scales."""
     if bias is not None and bias.dtype != torch.float32:
         return None
     run = ctypes.cast(widen_kernel().widen_graph_linear, ctypes.c_void_p).value
-    k = weight.shape[1] if scale is None else weight.shape[-1]
-    n = weight.shape[0] if n is None else n
-    return GraphCall(run, weight.data_ptr(), None if scale is None else scale.data_ptr(),
-                     None if bias is None else bias.data_ptr(), 0, 0, n, k, WIDEN_MAX_ROWS)
+    return GraphCall(run, panels.data_ptr(), None if scale is None else scale.data_ptr(),
+                     None if bias is None else bias.data_ptr(), 0, 0, n, panels.shape[1], WIDEN_MAX_ROWS)
 
 
 class WidenPacking:
@@ -274,13 +275,13 @@ class WidenPacking:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.weight = bf16_panels(weight.to(torch.bfloat16))
+        self.weight = to_panels(weight.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return widened_linear(x, self.weight, None, bias, self.out_features)
+        return widened_linear(x, self.weight, self.out_features, None, bias)
 
     def graph_call(self, bias: torch.Tensor | None) -> GraphCall | None:
-        return widen_graph_call(self.weight, None, bias, self.out_features)
+        return widen_graph_call(self.weight, self.out_features, None, bias)
 
 
 PACKINGS = {p.name: p for p in (KernelPacking, OneDnnPacking, WidenPacking, PlainWeight)}

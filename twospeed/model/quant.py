@@ -16,7 +16,7 @@ Two implementations behind `Q8Linear.forward`, tested against each other and a f
   (AVX-512 BF16 and VBMI table lookups); steps of more than `Q8_KERNEL_MAX_ROWS` rows on AMX CPUs widen a
   panel of weights to bf16 once per call in cache and run AMX tile dot products over every row (prefill).
 - int8 with float32 activations (a CPU without bf16 kernels, model/compute_dtype.py): csrc/linear_widen.c
-  widens the bytes in registers with AVX2 for steps up to `WIDEN_MAX_ROWS` rows, the portable path beyond.
+  widens the bytes in registers with AVX2, kept in its k-major panels of 16 rows, at every row count.
 - the portable path (any device, any dtype): the same formula in float32 torch ops.
 
 Test-only formats (accepted by `quantization`, never listed to users): `test-int4-per-tensor` (4-bit values,
@@ -34,7 +34,7 @@ from torch import nn
 
 from twospeed.schema import formats
 from twospeed.model.cbuild import load_library
-from twospeed.model.packed_linear import WIDEN_MAX_ROWS, rows_2d, widen_graph_call, widen_kernel, widened_linear
+from twospeed.model.packed_linear import from_panels, rows_2d, to_panels, widen_graph_call, widen_kernel, widened_linear
 from twospeed.model.weight_format import FormatLinear, GraphCall, ShapeMismatch, WeightFormat
 
 # Rows up to this many take the register-widening kernel; more take the AMX kernel where it runs. AMX time over
@@ -189,6 +189,7 @@ class Q8Linear(FormatLinear):
         self._loads(self.weight, self.load_weight)
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32))
         self.kernel: Q8Kernel | None = None
+        self.panels: torch.Tensor | None = None  # csrc/linear_widen.c's layout of the bytes, where it runs
 
     def load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
         rows = self.rows(shard)
@@ -203,37 +204,38 @@ class Q8Linear(FormatLinear):
         if self.fmt.use_kernel and self.in_features % 2 == 0:  # the kernel takes k in pairs
             self.kernel = Q8Kernel(self.weight.detach(), self.scale, self.fmt.kernel_code)
             del self.weight  # the packed bytes replace it
+        elif self.fmt.use_widen:
+            self.panels = to_panels(self.weight.detach())
+            del self.weight  # the same bytes, 16 rows k-major
+
+    def stored(self) -> torch.Tensor:
+        """The weight's bytes [N, K], row-major, from wherever they are kept (not after Q8Kernel packs them)."""
+        return from_panels(self.panels, self.out_features) if self.panels is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel.forward(x, self.bias)
-        if self.fmt.use_widen and x.dtype == torch.float32:
-            return self.widened(x)
+        if self.panels is not None and x.dtype == torch.float32:
+            return widened_linear(x, self.panels, self.out_features, self.scale, self.bias)
         return self.portable(x)
-
-    def widened(self, x: torch.Tensor) -> torch.Tensor:
-        """csrc/linear_widen.c over the int8 bytes (float32 activations), up to WIDEN_MAX_ROWS rows."""
-        if x.numel() > WIDEN_MAX_ROWS * self.in_features:
-            return self.portable(x)
-        return widened_linear(x, self.weight, self.scale, self.bias)
 
     def portable(self, x: torch.Tensor) -> torch.Tensor:
         """(x . q^T) * scale + bias in float32, one rounding to x's dtype: the reference the kernels match."""
-        y = torch.nn.functional.linear(x.float(), self.weight.float()) * self.scale
+        y = torch.nn.functional.linear(x.float(), self.stored().float()) * self.scale
         if self.bias is not None:
             y += self.bias.float()
         return y.to(x.dtype)
 
     def graph_calls(self) -> list[GraphCall] | None:
-        """csrc/linear_widen.c's graph entry over the int8 bytes, where the widened path runs."""
-        if self.kernel is not None or not self.fmt.use_widen or self.weight.device.type != "cpu":
+        """csrc/linear_widen.c's graph entry over the int8 panels, where the widened path runs."""
+        if self.panels is None or self.panels.device.type != "cpu":
             return None
-        call = widen_graph_call(self.weight, self.scale, self.bias)
+        call = widen_graph_call(self.panels, self.out_features, self.scale, self.bias)
         return None if call is None else [call]
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this linear multiplies by (before packing)."""
-        return self.fmt.dequantize(self.weight, self.scale)
+        return self.fmt.dequantize(self.stored(), self.scale)
 
     @property
     def nbytes(self) -> int:
