@@ -159,8 +159,7 @@ static void panels_pass(const float *x, int64_t ldx, const void *w, int fmt, con
             for (int k = 0; k < kn; k++) {
                 if (pf && (k & 1) == 0) _mm_prefetch(element(w, pf_src + k * NR, fmt), _MM_HINT_T0);
                 __m256 lo, hi;
-                if (fmt == FMT_BF16) widen16(w, src + k * NR, FMT_BF16, &lo, &hi);
-                else widen16(w, src + k * NR, FMT_INT8, &lo, &hi);
+                widen16(w, src + k * NR, fmt, &lo, &hi);
                 _mm256_store_ps(p + k * NR, lo);
                 _mm256_store_ps(p + k * NR + 8, hi);
             }
