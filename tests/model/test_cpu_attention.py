@@ -188,6 +188,37 @@ def test_prefill_kernel_matches_portable(case, monkeypatch):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
+F32_CASES = [case for case, c in enumerate(PREFILL_CASES) if c[4] % 8 == 0]  # the AVX2 kernel's head_dim
+
+
+@pytest.mark.parametrize("bf16_cache", [False, True], ids=["f32-cache", "bf16-cache"])
+@pytest.mark.parametrize("case", F32_CASES)
+def test_f32_prefill_kernel_matches_portable(case, bf16_cache, monkeypatch):
+    """float32 queries (a bf16 checkpoint computing in float32 on a CPU without bf16 kernels) over a float32 cache,
+    or a bf16 one (Bf16KV): every span through csrc/paged_attention.c's AVX2 prefill (the 512-row one included),
+    against the portable path."""
+    from twospeed.model.kv_format import Bf16KV, KVFormat
+
+    if not load_kernel().prefill_f32:
+        pytest.skip("no AVX2 + FMA here: float32 prefill chunks stay on the portable path")
+    q, k, v, k_cache, v_cache, meta = prefill_batch(*PREFILL_CASES[case], seed=case)
+    q, k, v = q.float(), k.float(), v.float()
+    if not bf16_cache:
+        k_cache, v_cache = k_cache.float(), v_cache.float()
+    heads, kv_heads, head_dim, _, window = PREFILL_CASES[case][2:]
+    kv = Bf16KV() if bf16_cache else KVFormat()
+    ref_cache = [t.clone() for t in (k_cache, v_cache)]
+    expected = TorchPagedAttention(heads, kv_heads, head_dim, kv).forward(q, k, v, *ref_cache, meta)
+    attn = CpuPagedAttention(heads, kv_heads, head_dim, window, kv)
+    assert attn.f32_prefill
+    def portable_prefill(*a, **kw):
+        raise AssertionError("the portable prefill ran")
+    monkeypatch.setattr(TorchPagedAttention, "prefill_spans", portable_prefill)
+    got = attn.forward(q, k, v, k_cache, v_cache, meta)
+    assert torch.equal(k_cache, ref_cache[0]) and torch.equal(v_cache, ref_cache[1])  # the same cache writes
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 @needs_kernel(load_bf16_kernel, "attention_bf16")
 @pytest.mark.parametrize("case", [2, 4])
 def test_amx_split_sends_short_spans_to_the_kernel_and_long_ones_to_flash(case, monkeypatch):

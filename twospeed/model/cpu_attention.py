@@ -6,7 +6,8 @@ against (tests/model/test_cpu_attention.py). Two libraries, compiled on first us
   portable path sends through torch's CPU flash attention after gathering earlier chunks' blocks (on AMX CPUs
   that path is the faster one for chunks over FLASH_ROWS tokens, and takes them);
 - csrc/paged_attention.c (any x86/ARM compiler target): decodes in fp32, and in bf16 where the first does not
-  build. Prefill chunks there keep the portable batched SDPA.
+  build; with AVX2 + FMA also float32 prefill chunks over a float32 or bf16 cache (a bf16 checkpoint computing in
+  float32 on a CPU without bf16 instructions), read in place. Other prefill chunks keep the portable batched SDPA.
 Decode groups may be padded: the kernels read only each sequence's own length. Where neither builds,
 `load_kernel()` returns None and the engine uses the portable path. A quantized cache (int8, fp8:
 model/kv_format.py) is read in place by every kernel (attention_bf16.c takes the format as an argument,
@@ -23,7 +24,7 @@ import torch
 
 from twospeed.model.attention import AttentionMetadata, PrefillBatch, TorchPagedAttention
 from twospeed.model.cbuild import load_library
-from twospeed.model.kv_format import KVFormat
+from twospeed.model.kv_format import Bf16KV, KVFormat
 from twospeed.model.packed_linear import has_amx
 
 # Prefill chunks up to this many tokens stay on the C kernel on AMX CPUs (at 4 rows it is 5-20% faster than the
@@ -38,12 +39,16 @@ def load_kernel() -> ctypes.CDLL | None:
     """csrc/paged_attention.c (built once per source, compiler and CPU; model/cbuild.py), or None."""
     decode = [_P] * 6 + [_I] * 7 + [ctypes.c_float, _I]
     kernel = load_library("paged_attention", {f"paged_decode_{t}{kv}": decode for t in ("bf16", "f32")
-                                              for kv in ("", "_i8", "_f8")} | {"paged_decode_f32_b16": decode})
+                                              for kv in ("", "_i8", "_f8")} | {
+        "paged_decode_f32_b16": decode, "paged_prefill_f32": [_P] * 8 + [_I] * 7 + [ctypes.c_float, _I, _I],
+        "paged_prefill_has_avx2": []})
     if kernel is None:
         return None
     limits = [ctypes.c_int() for _ in range(3)]
     kernel.paged_attention_limits(*(ctypes.byref(x) for x in limits))
     kernel.limits = tuple(x.value for x in limits)  # (max G, max head_dim, max block_size)
+    kernel.paged_prefill_has_avx2.restype = _I
+    kernel.prefill_f32 = bool(kernel.paged_prefill_has_avx2())  # the AVX2 prefill, else float32 chunks stay portable
     return kernel
 
 
@@ -87,6 +92,10 @@ class CpuPagedAttention(TorchPagedAttention):
         # kernel 2.3-3x on any chunk over FLASH_ROWS tokens, from position 0 or after 2k cached tokens alike
         # (BENCHMARKS.md); on AVX-512 BF16 without AMX the kernel keeps every chunk.
         self.flash_rows = FLASH_ROWS if has_amx() else None
+        # float32 queries over a float32 or bf16 cache (a bf16 checkpoint on a CPU without bf16 kernels computes in
+        # float32): csrc/paged_attention.c's AVX2 prefill, where it builds
+        self.f32_prefill = (self.kernel.prefill_f32 and head_dim % 8 == 0 and num_heads // num_kv_heads <= 16
+                            and self.kv.code in (KVFormat.code, Bf16KV.code))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor) -> None:
@@ -139,24 +148,42 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
-        if batch is None or self.prefill_kernel is None or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        if q.dtype == torch.bfloat16 and self.prefill_kernel is not None:
+            fn, rows = self._prefill_bf16, self.flash_rows  # AMX: torch's flash attention takes the wider spans
+        elif q.dtype == torch.float32 and self.f32_prefill and k_cache.shape[1] <= self.kernel.limits[2]:
+            fn, rows = self._prefill_f32, None  # faster than the gather + SDPA at 4-2,048 rows (BENCHMARKS.md)
+        else:
+            fn = None
+        if batch is None or fn is None or q.device.type != "cpu":
             return super().prefill(q, k, v, k_cache, v_cache, meta, out)
-        if self.flash_rows is not None:  # AMX: torch's flash attention takes the spans over flash_rows rows
-            wide = [span for span in meta.prefills if span.num_tokens > self.flash_rows]
+        if rows is not None:  # spans over `rows` rows go to the portable path, which is faster there
+            wide = [span for span in meta.prefills if span.num_tokens > rows]
             if wide:
                 self.prefill_spans(wide, q, k, v, k_cache, v_cache, meta, out)
                 if len(wide) == len(meta.prefills):
                     return
-                keep = torch.tensor([i for i, span in enumerate(meta.prefills) if span.num_tokens <= self.flash_rows])
+                keep = torch.tensor([i for i, span in enumerate(meta.prefills) if span.num_tokens <= rows])
                 batch = PrefillBatch(batch.block_tables[keep], batch.q_start[keep], batch.q_len[keep],
                                      batch.context_len[keep])
-        q = q.contiguous()
-        # K/V of these chunks are already in the cache (write_cache ran first): the kernel reads them there
+        # K/V of these chunks are already in the cache (write_cache ran first): the kernels read them there
+        fn(q.contiguous(), k_cache, v_cache, batch, out)
+
+    def _prefill_bf16(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
+                      out: torch.Tensor) -> None:
         self.prefill_kernel.prefill_attention_bf16(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
             batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
             len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
             batch.block_tables.shape[1], self.window, self.scale, self.kv.code, torch.get_num_threads())
+
+    def _prefill_f32(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
+                     out: torch.Tensor) -> None:
+        self.kernel.paged_prefill_f32(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
+            batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
+            len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
+            batch.block_tables.shape[1], self.window, self.scale, int(self.kv.code == Bf16KV.code),
+            torch.get_num_threads())
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,

@@ -20,6 +20,14 @@
  * fewer (sequence, KV head) tasks than a few per thread (batch 1: a handful of KV heads on every core), each
  * task's context is split into chunks whose partial softmax states (max, sum, accumulator) merge after the
  * parallel loop, as flash-decoding does on a GPU, so every core works on a lone sequence.
+ *
+ * paged_prefill_f32 (AVX2 + FMA) attends prefill chunks of float32 queries over a float32 or bf16 cache in place,
+ * where the portable path gathers each chunk's whole context out of the pool (and widens a bf16 one) every layer
+ * before an SDPA call: the few-token chunks a time-sized step puts beside decodes paid that copy for a handful of
+ * queries. A task is a tile of a chunk's rows x the G heads of one KV head, at most 16 queries, one per float32
+ * lane of two vectors, so every step is vertical (no horizontal sums): scores are a key's broadcast elements times
+ * the transposed queries, the online softmax is lane-wise, and the transposed accumulator takes V's broadcast
+ * elements times the probabilities; keys go 32 at a time, the next 32 prefetched while these compute.
  */
 #include <math.h>
 #include <stdint.h>
@@ -279,6 +287,191 @@ static void decode_avx2(const float *q, const void *k_cache, const void *v_cache
     }
     free(parts);
 }
+
+#define MAXQ 16  /* queries in a prefill tile, one per float32 lane of two vectors: R rows x the G heads of a KV head */
+#define NK 32    /* keys scored, exponentiated and summed into the tile's state at a time */
+
+/* A value the compiler must keep in a register: without this GCC folds a reused vector load into every FMA that
+   reads it, and a register tile becomes load-bound. */
+#define PIN(x) __asm__("" : "+x"(x))
+
+/* st[t][0..16) = the 16 lanes of transposed queries qt[d][lane] dotted with key row kr[t], for C keys */
+static inline __attribute__((always_inline)) void score_keys(const float *qt, const float *const *kr, float *st, int D,
+                                                             const int C) {
+    __m256 s[6][2];
+    for (int t = 0; t < C; t++) s[t][0] = s[t][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m256 q0 = _mm256_load_ps(qt + d * MAXQ), q1 = _mm256_load_ps(qt + d * MAXQ + 8);
+        PIN(q0); PIN(q1);
+        for (int t = 0; t < C; t++) {
+            const __m256 kv = _mm256_broadcast_ss(kr[t] + d);
+            s[t][0] = _mm256_fmadd_ps(kv, q0, s[t][0]);
+            s[t][1] = _mm256_fmadd_ps(kv, q1, s[t][1]);
+        }
+    }
+    for (int t = 0; t < C; t++) { _mm256_store_ps(st + t * MAXQ, s[t][0]); _mm256_store_ps(st + t * MAXQ + 8, s[t][1]); }
+}
+
+/* at[t][lane] = at[t][lane] * corr[lane] + sum_j vr[j][d + t] st[j][lane], for C columns from d */
+static inline __attribute__((always_inline)) void accumulate_values(float *at, const float *st,
+                                                                    const float *const *vr, int d, int nk, __m256 c0,
+                                                                    __m256 c1, const int C) {
+    __m256 a[6][2];
+    for (int t = 0; t < C; t++) {
+        a[t][0] = _mm256_mul_ps(_mm256_load_ps(at + t * MAXQ), c0);
+        a[t][1] = _mm256_mul_ps(_mm256_load_ps(at + t * MAXQ + 8), c1);
+    }
+    for (int j = 0; j < nk; j++) {
+        __m256 p0 = _mm256_load_ps(st + j * MAXQ), p1 = _mm256_load_ps(st + j * MAXQ + 8);
+        PIN(p0); PIN(p1);
+        for (int t = 0; t < C; t++) {
+            const __m256 vv = _mm256_broadcast_ss(vr[j] + d + t);
+            a[t][0] = _mm256_fmadd_ps(vv, p0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(vv, p1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < C; t++) { _mm256_store_ps(at + t * MAXQ, a[t][0]); _mm256_store_ps(at + t * MAXQ + 8, a[t][1]); }
+}
+
+/* Prefill tile: rows r0 .. r0 + R - 1 of a chunk (row r at position p0 + r, flat row row0 + r), the G query heads
+   of KV head h; row r attends to keys [lo_r, p0 + r + 1) of its sequence. The tile's queries sit in the lanes of
+   two vectors, so every step is vertical: a key's scores for all of them are D broadcasts of the key times the
+   transposed queries (no horizontal sums), the online softmax's max, rescale and sums are lane-wise, and the
+   transposed accumulator takes V's elements as broadcasts times the probabilities. K and V rows are read in place
+   from a float32 cache and widened once into kf, vf from a bf16 one. */
+static inline __attribute__((always_inline)) void prefill_tile(const float *q, const void *k_cache,
+                                                               const void *v_cache, const int64_t *table,
+                                                               int64_t row0, int p0, int R, int h, int H, int KVH,
+                                                               int D, int BS, int window, float scale, float *out,
+                                                               int bf) {
+    const int G = H / KVH, NQ = R * G;
+    const int64_t RS = (int64_t)KVH * D;
+    float qt[MAXD][MAXQ] __attribute__((aligned(32)));   /* the queries, transposed and scaled */
+    float at[MAXD][MAXQ] __attribute__((aligned(32)));   /* the accumulator, transposed */
+    float st[NK][MAXQ] __attribute__((aligned(32)));     /* scores, then probabilities, of NK keys */
+    float kf[NK * MAXD] __attribute__((aligned(32))), vf[NK * MAXD] __attribute__((aligned(32)));
+    int lo_i[MAXQ] __attribute__((aligned(32))), hi_i[MAXQ] __attribute__((aligned(32)));
+    for (int i = 0; i < MAXQ; i++) { lo_i[i] = 0; hi_i[i] = 0; }  /* a lane without a query sees no key */
+    for (int d = 0; d < D; d++)
+        for (int i = 0; i < MAXQ; i++) { qt[d][i] = 0.f; at[d][i] = 0.f; }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int i = r * G + g;
+            const float *qp = q + ((row0 + r) * H + (int64_t)h * G + g) * D;
+            for (int d = 0; d < D; d++) qt[d][i] = qp[d] * scale;
+            hi_i[i] = p0 + r + 1;
+            lo_i[i] = (window > 0 && hi_i[i] > window) ? hi_i[i] - window : 0;
+        }
+    const __m256i lo0 = _mm256_load_si256((const __m256i *)lo_i), lo1 = _mm256_load_si256((const __m256i *)(lo_i + 8));
+    const __m256i hi0 = _mm256_load_si256((const __m256i *)hi_i), hi1 = _mm256_load_si256((const __m256i *)(hi_i + 8));
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, l0 = _mm256_setzero_ps(), l1 = l0;
+    const int klo = lo_i[0], khi = hi_i[NQ - 1];
+    for (int k0 = klo; k0 < khi; k0 += NK) {
+        const int nk = khi - k0 < NK ? khi - k0 : NK;
+        const float *kr[NK], *vr[NK];  /* each key's K and V row */
+        const int nn = khi - k0 - nk < NK ? khi - k0 - nk : NK;  /* keys of the next pass, prefetched now */
+        for (int j = 0, b = k0 / BS, jb = k0 % BS; j < nk; j++) {  /* key k0 + j: row jb of block b */
+            const int64_t at_row = (table[b] * BS + jb) * RS + (int64_t)h * D;
+            if (++jb == BS) { jb = 0; b++; }
+            if (j < nn) {  /* the key NK further on: a cache miss away while this pass computes */
+                const int pn = k0 + NK + j;
+                const int64_t nrow = (table[pn / BS] * BS + pn % BS) * RS + (int64_t)h * D;
+                const char *kn = (const char *)k_cache + nrow * (bf ? 2 : 4), *vn = (const char *)v_cache + nrow * (bf ? 2 : 4);
+                for (int off = 0; off < D * (bf ? 2 : 4); off += 64) {
+                    _mm_prefetch(kn + off, _MM_HINT_T0);
+                    _mm_prefetch(vn + off, _MM_HINT_T0);
+                }
+            }
+            if (bf) {
+                for (int d = 0; d < D; d += 8) {
+                    _mm256_store_ps(&kf[j * D + d], kv8(k_cache, at_row + d, 1));
+                    _mm256_store_ps(&vf[j * D + d], kv8(v_cache, at_row + d, 1));
+                }
+                kr[j] = kf + j * D; vr[j] = vf + j * D;
+            } else {
+                kr[j] = (const float *)k_cache + at_row; vr[j] = (const float *)v_cache + at_row;
+            }
+        }
+        /* scores: 6 keys x 16 lanes a pass, one FMA chain per (key, vector) over d */
+        int j = 0;
+        for (; j + 6 <= nk; j += 6) score_keys(&qt[0][0], kr + j, &st[j][0], D, 6);
+        for (; j + 2 <= nk; j += 2) score_keys(&qt[0][0], kr + j, &st[j][0], D, 2);
+        if (j < nk) score_keys(&qt[0][0], kr + j, &st[j][0], D, 1);
+        /* the mask (a key outside a lane's [lo, hi) scores -inf), then each lane's max over these keys */
+        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+        __m256 b0 = ninf, b1 = ninf;
+        for (j = 0; j < nk; j++) {
+            const __m256i p = _mm256_set1_epi32(k0 + j);
+            const __m256i out0 = _mm256_or_si256(_mm256_cmpgt_epi32(lo0, p), _mm256_cmpgt_epi32(_mm256_add_epi32(p, _mm256_set1_epi32(1)), hi0));
+            const __m256i out1 = _mm256_or_si256(_mm256_cmpgt_epi32(lo1, p), _mm256_cmpgt_epi32(_mm256_add_epi32(p, _mm256_set1_epi32(1)), hi1));
+            const __m256 x0 = _mm256_blendv_ps(_mm256_load_ps(&st[j][0]), ninf, _mm256_castsi256_ps(out0));
+            const __m256 x1 = _mm256_blendv_ps(_mm256_load_ps(&st[j][8]), ninf, _mm256_castsi256_ps(out1));
+            _mm256_store_ps(&st[j][0], x0); _mm256_store_ps(&st[j][8], x1);
+            b0 = _mm256_max_ps(b0, x0); b1 = _mm256_max_ps(b1, x1);
+        }
+        /* new max; a lane that has seen no key yet stays at -inf and exp256 gives 0 for its NaN differences */
+        const __m256 n0 = _mm256_max_ps(m0, b0), n1 = _mm256_max_ps(m1, b1);
+        const __m256 c0 = exp256(_mm256_sub_ps(m0, n0)), c1 = exp256(_mm256_sub_ps(m1, n1));
+        __m256 u0 = _mm256_setzero_ps(), u1 = u0;
+        for (j = 0; j < nk; j++) {
+            const __m256 p0v = exp256(_mm256_sub_ps(_mm256_load_ps(&st[j][0]), n0));
+            const __m256 p1v = exp256(_mm256_sub_ps(_mm256_load_ps(&st[j][8]), n1));
+            _mm256_store_ps(&st[j][0], p0v); _mm256_store_ps(&st[j][8], p1v);
+            u0 = _mm256_add_ps(u0, p0v); u1 = _mm256_add_ps(u1, p1v);
+        }
+        l0 = _mm256_fmadd_ps(l0, c0, u0); l1 = _mm256_fmadd_ps(l1, c1, u1);
+        m0 = n0; m1 = n1;
+        /* at[d] = at[d] * corr + sum_j V[j][d] p[j]: 6 columns x 16 lanes a pass, over the keys */
+        int d = 0;
+        for (; d + 6 <= D; d += 6) accumulate_values(&at[d][0], &st[0][0], vr, d, nk, c0, c1, 6);
+        for (; d + 2 <= D; d += 2) accumulate_values(&at[d][0], &st[0][0], vr, d, nk, c0, c1, 2);
+    }
+    float l[MAXQ] __attribute__((aligned(32)));
+    _mm256_store_ps(l, l0); _mm256_store_ps(l + 8, l1);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const int i = r * G + g;
+            float *op = out + ((row0 + r) * H + (int64_t)h * G + g) * D;
+            const float inv = 1.f / l[i];
+            for (int d = 0; d < D; d++) op[d] = at[d][i] * inv;
+        }
+}
+
+static void prefill_tile_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                             int64_t row0, int p0, int R, int h, int H, int KVH, int D, int BS, int window, float scale,
+                             float *out) {
+    prefill_tile(q, k_cache, v_cache, table, row0, p0, R, h, H, KVH, D, BS, window, scale, out, 0);
+}
+
+static void prefill_tile_b16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                             int64_t row0, int p0, int R, int h, int H, int KVH, int D, int BS, int window, float scale,
+                             float *out) {
+    prefill_tile(q, k_cache, v_cache, table, row0, p0, R, h, H, KVH, D, BS, window, scale, out, 1);
+}
+
+typedef void (*TileFn)(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t row0,
+                       int p0, int R, int h, int H, int KVH, int D, int BS, int window, float scale, float *out);
+
+/* Every span's tiles (span, KV head, R rows) in one parallel loop; the last rows of a span, which see the most
+   keys, are handed out first. */
+static void prefill_avx2(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                         const int64_t *q_start, const int64_t *q_len, const int64_t *ctx_len, float *out, int n,
+                         int H, int KVH, int D, int BS, int max_blocks, int window, float scale, int threads,
+                         TileFn tile) {
+    const int R = MAXQ / (H / KVH);  /* rows a tile holds */
+    int total = 0;
+    for (int s = 0; s < n; s++) total += (int)((q_len[s] + R - 1) / R) * KVH;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < total; t++) {
+        int s = 0, rest = t;
+        while (rest >= (int)((q_len[s] + R - 1) / R) * KVH) { rest -= (int)((q_len[s] + R - 1) / R) * KVH; s++; }
+        const int tiles = (int)((q_len[s] + R - 1) / R), h = rest % KVH, k = tiles - 1 - rest / KVH;
+        const int r0 = k * R, rows = (int)q_len[s] - r0 < R ? (int)q_len[s] - r0 : R;
+        const int p0 = (int)(ctx_len[s] - q_len[s]) + r0;
+        tile(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, q_start[s] + r0, p0, rows, h, H, KVH, D, BS,
+             window, scale, out);
+    }
+}
 #endif
 
 /* KV loaders: the row stride in elements, the row's scale, a cache element to float32 */
@@ -323,4 +516,29 @@ void paged_decode_f32_b16(const float *q, const uint16_t *k_cache, const uint16_
 #endif
     paged_decode_f32_b16_generic(q, k_cache, v_cache, tables, lens, out, n, H, KVH, D, BS, max_blocks, window, scale,
                                  threads);
+}
+
+/* Whether paged_prefill_f32 is built here (AVX2 + FMA); where not, float32 prefill chunks keep the portable path. */
+int paged_prefill_has_avx2(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Prefill chunks with float32 queries over a float32 or bf16 cache (head_dim a multiple of 8, G <= 16): n spans,
+   span s the q_len[s] rows from flat row q_start[s], the last positions of its ctx_len[s] tokens, their K and V
+   already in the cache; tables: [n, max_blocks]. Only where paged_prefill_has_avx2(). */
+void paged_prefill_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                       const int64_t *q_start, const int64_t *q_len, const int64_t *ctx_len, float *out, int n, int H,
+                       int KVH, int D, int BS, int max_blocks, int window, float scale, int bf16_cache, int threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    prefill_avx2(q, k_cache, v_cache, tables, q_start, q_len, ctx_len, out, n, H, KVH, D, BS, max_blocks, window,
+                 scale, threads, bf16_cache ? prefill_tile_b16 : prefill_tile_f32);
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)tables; (void)q_start; (void)q_len; (void)ctx_len; (void)out;
+    (void)n; (void)H; (void)KVH; (void)D; (void)BS; (void)max_blocks; (void)window; (void)scale; (void)bf16_cache;
+    (void)threads;
+#endif
 }
