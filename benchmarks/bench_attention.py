@@ -2,8 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/bench_attention.py [--threads 1] [--repeats 7] [--heads 12] [--kv-heads 4]
           [--head-dim 64] [--contexts 0,256,1024,2048] [--chunks 4,8,16,64,256] [--decodes 1,8,16,32] [--quick]
-          [--dtype float32]   # decodes only: csrc/paged_attention.c's float32 kernel (a CPU without bf16 ones),
-                              # over a float32 cache and over a bf16 one (model/kv_format.py's Bf16KV)
+          [--dtype float32]   # csrc/paged_attention.c's float32 kernels (a CPU without bf16 ones), over a
+                              # float32 cache and over a bf16 one (model/kv_format.py's Bf16KV)
 
 Which path serves a shape is a property of the CPU (model/cpu_attention.py): on AMX CPUs torch's flash
 attention runs prompt chunks on AMX tiles and beats the AVX-512 BF16 kernel beyond a few rows, while decodes
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decodes", default="1,8,16,32")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny sizes")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="float32: the decode table only, through paged_decode_f32")
+                    help="float32: csrc/paged_attention.c's float32 kernels, over a float32 and a bf16 cache")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.chunks, args.decodes, args.repeats = "0,32", "4,16", "1,4", 2
     dtype = getattr(torch, args.dtype)
     if dtype == torch.bfloat16 and load_bf16_kernel() is None:
         print("the AVX-512 BF16 attention kernel does not build here: nothing to compare (--dtype float32 compares "
-              "the float32 decode kernel)")
+              "the float32 kernels)")
         return 0
     torch.set_num_threads(args.threads)
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
@@ -89,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     kernel, portable = CpuPagedAttention(h, kvh, d), TorchPagedAttention(h, kvh, d)
     kernel.flash_rows = None  # the kernel for every chunk: this compares the paths, not the dispatch rule
 
+    half = dtype == torch.float32  # also the float32 kernels over the same values in a bf16 cache (Bf16KV)
+    if half:
+        k_half, v_half = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+        kernel_half, portable_half = CpuPagedAttention(h, kvh, d, kv=Bf16KV()), TorchPagedAttention(h, kvh, d, Bf16KV())
     print(f"{torch.get_num_threads()} thread(s), {h} heads / {kvh} KV heads / head_dim {d}, {args.dtype}, min of "
-          f"{args.repeats}; AMX dispatch sends chunks over 4 tokens to the portable path\n")
-    if dtype == torch.bfloat16:
-        print("| prefill: context | chunk | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |")
-        print("|---:|---:|---:|---:|---:|")
-    for ctx0 in contexts if dtype == torch.bfloat16 else []:
+          f"{args.repeats}; AMX dispatch sends bf16 chunks over 4 tokens to the portable path\n")
+    print("| prefill: context | chunk | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |"
+          + (" C kernel, bf16 cache (ms) | gather + widen + SDPA, bf16 cache (ms) | kernel / SDPA |" if half else ""))
+    print("|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if half else ""))
+    for ctx0 in contexts:
         for n in chunks:
             ctx = ctx0 + n
             table = scattered(-(-ctx // BLOCK), pool, gen)
@@ -104,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
                         args.repeats)
             meta = prefill_meta(n, ctx, table)
             b = best_ms(lambda: portable.prefill(q, None, None, k_cache, v_cache, meta, out), args.repeats)
-            print(f"| {ctx0} | {n} | {a:.3f} | {b:.3f} | {a / b:.2f} |", flush=True)
-    half = dtype == torch.float32  # also the float32 kernel over the same values in a bf16 cache
-    if half:
-        k_half, v_half, kernel_half = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16), CpuPagedAttention(
-            h, kvh, d, kv=Bf16KV())
+            extra = ""
+            if half:
+                c = best_ms(lambda: kernel_half.prefill(q, None, None, k_half, v_half, prefill_meta(n, ctx, table),
+                                                        out), args.repeats)
+                e = best_ms(lambda: portable_half.prefill(q, None, None, k_half, v_half, meta, out), args.repeats)
+                extra = f" {c:.3f} | {e:.3f} | {c / e:.2f} |"
+            print(f"| {ctx0} | {n} | {a:.3f} | {b:.3f} | {a / b:.2f} |{extra}", flush=True)
     print("\n| decode: streams | context | C kernel (ms) | gather + SDPA (ms) | kernel / SDPA |"
           + (" C kernel, bf16 cache (ms) | float32 / bf16 cache |" if half else ""))
     print("|---:|---:|---:|---:|---:|" + ("---:|---:|" if half else ""))
