@@ -211,6 +211,7 @@ def test_f32_prefill_kernel_matches_portable(case, bf16_cache, monkeypatch):
     expected = TorchPagedAttention(heads, kv_heads, head_dim, kv).forward(q, k, v, *ref_cache, meta)
     attn = CpuPagedAttention(heads, kv_heads, head_dim, window, kv)
     assert attn.f32_prefill
+
     def portable_prefill(*a, **kw):
         raise AssertionError("the portable prefill ran")
     monkeypatch.setattr(TorchPagedAttention, "prefill_spans", portable_prefill)

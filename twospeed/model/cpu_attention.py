@@ -94,7 +94,8 @@ class CpuPagedAttention(TorchPagedAttention):
         self.flash_rows = FLASH_ROWS if has_amx() else None
         # float32 queries over a float32 or bf16 cache (a bf16 checkpoint on a CPU without bf16 kernels computes in
         # float32): csrc/paged_attention.c's AVX2 prefill, where it builds
-        self.f32_prefill = (self.kernel.prefill_f32 and head_dim % 8 == 0 and num_heads // num_kv_heads <= 16
+        self.f32_prefill = (self.kernel.prefill_f32 and head_dim % 8 == 0
+                            and num_heads // num_kv_heads <= self.kernel.limits[0]
                             and self.kv.code in (KVFormat.code, Bf16KV.code))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

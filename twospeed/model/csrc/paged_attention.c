@@ -289,6 +289,7 @@ static void decode_avx2(const float *q, const void *k_cache, const void *v_cache
 }
 
 #define MAXQ 16  /* queries in a prefill tile, one per float32 lane of two vectors: R rows x the G heads of a KV head */
+_Static_assert(MAXG <= MAXQ, "a prefill tile holds at least one row's G query heads");
 #define NK 32    /* keys scored, exponentiated and summed into the tile's state at a time */
 
 /* A value the compiler must keep in a register: without this GCC folds a reused vector load into every FMA that
