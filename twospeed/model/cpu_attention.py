@@ -149,10 +149,13 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
         batch = meta.prefill_batch
+        # the kernel, the cache-format argument it takes, and the widest span it gets (None: every span)
         if q.dtype == torch.bfloat16 and self.prefill_kernel is not None:
-            fn, rows = self._prefill_bf16, self.flash_rows  # AMX: torch's flash attention takes the wider spans
+            # AMX: torch's flash attention takes the wider spans
+            fn, fmt, rows = self.prefill_kernel.prefill_attention_bf16, self.kv.code, self.flash_rows
         elif q.dtype == torch.float32 and self.f32_prefill and k_cache.shape[1] <= self.kernel.limits[2]:
-            fn, rows = self._prefill_f32, None  # faster than the gather + SDPA at 4-2,048 rows (BENCHMARKS.md)
+            # faster than the gather + SDPA at 4-2,048 rows (BENCHMARKS.md)
+            fn, fmt, rows = self.kernel.paged_prefill_f32, int(self.kv.code == Bf16KV.code), None
         else:
             fn = None
         if batch is None or fn is None or q.device.type != "cpu":
@@ -166,25 +169,12 @@ class CpuPagedAttention(TorchPagedAttention):
                 keep = torch.tensor([i for i, span in enumerate(meta.prefills) if span.num_tokens <= rows])
                 batch = PrefillBatch(batch.block_tables[keep], batch.q_start[keep], batch.q_len[keep],
                                      batch.context_len[keep])
+        q = q.contiguous()
         # K/V of these chunks are already in the cache (write_cache ran first): the kernels read them there
-        fn(q.contiguous(), k_cache, v_cache, batch, out)
-
-    def _prefill_bf16(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
-                      out: torch.Tensor) -> None:
-        self.prefill_kernel.prefill_attention_bf16(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
-            batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
-            len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-            batch.block_tables.shape[1], self.window, self.scale, self.kv.code, torch.get_num_threads())
-
-    def _prefill_f32(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefillBatch,
-                     out: torch.Tensor) -> None:
-        self.kernel.paged_prefill_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
-            batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
-            len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
-            batch.block_tables.shape[1], self.window, self.scale, int(self.kv.code == Bf16KV.code),
-            torch.get_num_threads())
+        fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), batch.block_tables.data_ptr(),
+           batch.q_start.data_ptr(), batch.q_len.data_ptr(), batch.context_len.data_ptr(), out.data_ptr(),
+           len(batch.q_len), self.num_heads, self.num_kv_heads, self.head_dim, k_cache.shape[1],
+           batch.block_tables.shape[1], self.window, self.scale, fmt, torch.get_num_threads())
 
 
 def make_attention(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None,

@@ -371,17 +371,19 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *q, c
         const int nk = khi - k0 < NK ? khi - k0 : NK;
         const float *kr[NK], *vr[NK];  /* each key's K and V row */
         const int nn = khi - k0 - nk < NK ? khi - k0 - nk : NK;  /* keys of the next pass, prefetched now */
-        for (int j = 0, b = k0 / BS, jb = k0 % BS; j < nk; j++) {  /* key k0 + j: row jb of block b */
+        const int eb = bf ? 2 : 4;  /* bytes a cache element */
+        /* key k0 + j: row jb of block b; the key NK further on: row jn of block bn */
+        for (int j = 0, b = k0 / BS, jb = k0 % BS, bn = (k0 + NK) / BS, jn = (k0 + NK) % BS; j < nk; j++) {
             const int64_t at_row = (table[b] * BS + jb) * RS + (int64_t)h * D;
             if (++jb == BS) { jb = 0; b++; }
-            if (j < nn) {  /* the key NK further on: a cache miss away while this pass computes */
-                const int pn = k0 + NK + j;
-                const int64_t nrow = (table[pn / BS] * BS + pn % BS) * RS + (int64_t)h * D;
-                const char *kn = (const char *)k_cache + nrow * (bf ? 2 : 4), *vn = (const char *)v_cache + nrow * (bf ? 2 : 4);
-                for (int off = 0; off < D * (bf ? 2 : 4); off += 64) {
+            if (j < nn) {  /* a cache miss away while this pass computes */
+                const int64_t nrow = (table[bn] * BS + jn) * RS + (int64_t)h * D;
+                const char *kn = (const char *)k_cache + nrow * eb, *vn = (const char *)v_cache + nrow * eb;
+                for (int off = 0; off < D * eb; off += 64) {
                     _mm_prefetch(kn + off, _MM_HINT_T0);
                     _mm_prefetch(vn + off, _MM_HINT_T0);
                 }
+                if (++jn == BS) { jn = 0; bn++; }
             }
             if (bf) {
                 for (int d = 0; d < D; d += 8) {
@@ -464,9 +466,9 @@ static void prefill_avx2(const float *q, const void *k_cache, const void *v_cach
     for (int s = 0; s < n; s++) total += (int)((q_len[s] + R - 1) / R) * KVH;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int t = 0; t < total; t++) {
-        int s = 0, rest = t;
-        while (rest >= (int)((q_len[s] + R - 1) / R) * KVH) { rest -= (int)((q_len[s] + R - 1) / R) * KVH; s++; }
-        const int tiles = (int)((q_len[s] + R - 1) / R), h = rest % KVH, k = tiles - 1 - rest / KVH;
+        int s = 0, rest = t, tiles;  /* task t: span s, the rest-th of its tiles x KV heads */
+        while (rest >= (tiles = (int)((q_len[s] + R - 1) / R)) * KVH) { rest -= tiles * KVH; s++; }
+        const int h = rest % KVH, k = tiles - 1 - rest / KVH;
         const int r0 = k * R, rows = (int)q_len[s] - r0 < R ? (int)q_len[s] - r0 : R;
         const int p0 = (int)(ctx_len[s] - q_len[s]) + r0;
         tile(q, k_cache, v_cache, tables + (int64_t)s * max_blocks, q_start[s] + r0, p0, rows, h, H, KVH, D, BS,
