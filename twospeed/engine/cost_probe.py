@@ -4,8 +4,8 @@
 coefficients of engine/cost_model.py: a starting point the online fit corrects within a few dozen steps.
 `probe` then times a handful of steps of the real model on scratch KV blocks (a prompt chunk alone, decodes
 alone at two batch sizes, a chunk beside decodes, a whole short prompt; ~290 prompt tokens in all), after two
-unobserved warm-up steps (one as wide as the scheduler's token budget, one small), and feeds them to the model:
-one wide step plus well under a second on a CPU for the ~100M benchmark Llama (twice the demo model's size), a few
+unobserved warm-up steps (one as wide as the scheduler's token budget through the first layer, one small), and
+feeds them to the model: under a second on a CPU for the ~100M benchmark Llama (twice the demo model's size), a few
 milliseconds for the tests' tiny checkpoints. The blocks
 go back to the pool unhashed, so the prefix cache never sees the probe's garbage tokens; nothing else in the
 engine is touched. Sizes shrink to fit small pools and short max_model_len; where even the smallest step does
@@ -15,6 +15,7 @@ not fit, the probe is skipped and the prior stands.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -48,7 +49,10 @@ def probe(runner, kv: KVCacheManager, sampler, model: LinearCostModel, max_len: 
     widest: the scheduler's token budget. One step that wide runs first, unobserved, as vLLM's start-up profile run
     does: the first step of a shape pays what no later one does (the allocator's first large buffers and their page
     faults, new kernel shapes). On the ~100M Llama a fresh server's first 2,047-token step took 1,137 ms against a
-    prediction of 167, and stalled the stream decoding beside it. Observing a second run taught the fit worse, not
+    prediction of 167, and stalled the stream decoding beside it. That step runs through the first decoder layer
+    only (`first_layer_only`): every layer has the same shapes and frees its buffers before the next one allocates
+    them, so one layer meets every first-call cost, at a fraction of a full step's arithmetic (on a CPU without a
+    fast GEMM the full step was most of a server's start-up). Observing a second run taught the fit worse, not
     better: one point that wide outweighed the short chunks the scheduler sizes (median error 8.4% -> 10.0%, p99
     0.62 -> 3.23 in the same benchmark), so the online fit learns wide steps from serving."""
     bs = kv.block_size
@@ -86,7 +90,8 @@ def probe(runner, kv: KVCacheManager, sampler, model: LinearCostModel, max_len: 
         wide = min(widest, max_len - 1, kv.num_free_blocks * bs - 2 * bs)
         if wide > size(192):
             first = request(0, wide, decoding=False)
-            run([ScheduledChunk(first, 0, wide)], observe=False)
+            with first_layer_only(runner.model):
+                run([ScheduledChunk(first, 0, wide)], observe=False)
             kv.free(first.request_id)
             made.remove(first.request_id)
         long = request(0, size(192), decoding=False)
@@ -108,6 +113,17 @@ def probe(runner, kv: KVCacheManager, sampler, model: LinearCostModel, max_len: 
             kv.free(rid)
     model.clear_errors()  # the prior's misses while the probe taught it say nothing about serving
     return model.num_observed
+
+
+@contextmanager
+def first_layer_only(model: torch.nn.Module):
+    """The model runs its first decoder layer alone (then its final norm and head) until the block ends."""
+    layers = model.layers
+    model.layers = torch.nn.ModuleList(layers[:1])
+    try:
+        yield
+    finally:
+        model.layers = layers
 
 
 class _PoolFull(Exception):
