@@ -57,7 +57,7 @@ class Cluster:
         return {x["name"]: x for x in r.json()["replicas"]}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # Ray's idle processes take a fifth of a core: gone before the next module
 def cluster():
     common = dict(replicas=2, replica_cpus=0.5, replica_threads=1, probe_interval=0.5)
     assert start_ray(ClusterConfig(**common))  # as `twospeed serve --replicas` starts it
