@@ -148,7 +148,7 @@ def _cluster_config(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from twospeed.server.app import ServerConfig, run_server
+    from twospeed.server.config import ServerConfig
 
     names = [f.name for f in dataclasses.fields(ServerConfig)]
     clustered = args.replicas is not None or args.attach_to is not None
@@ -173,7 +173,14 @@ def run_serve(args: argparse.Namespace) -> int:
         from twospeed.cluster.deploy import run_cluster
 
         return run_cluster(engine_config, server_config, cluster, log_level=args.log_level)
-    rc = run_server(engine_config, server_config, log_level=args.log_level)
+    spawn = None
+    if server_config.engine_process:  # first: torch loads in the engine while the web stack loads here
+        from twospeed.serving.engine_spawn import EngineSpawn
+
+        spawn = EngineSpawn.start(engine_config, server_config.engine_nice)
+    from twospeed.server.app import run_server
+
+    rc = run_server(engine_config, server_config, log_level=args.log_level, engine=spawn)
     # Everything is shut down by now (responses ended, the engine thread joined, logs written): skip the
     # interpreter's teardown of torch and the model (~0.5 s), so the process exits when the grace says.
     logging.shutdown()

@@ -227,6 +227,26 @@ def test_the_server_side_never_imports_torch_or_a_grammar_compiler(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_serve_starts_its_engine_process_before_it_loads_its_web_stack():
+    """`twospeed serve` hands the engine process its config before it imports FastAPI and uvicorn, so that process's
+    torch import and model load run beside them."""
+    code = textwrap.dedent("""
+        import sys
+        from twospeed import cli
+        from twospeed.serving.engine_spawn import EngineSpawn
+
+        def start(config, nice=0):
+            print(config.model, nice, sorted(m for m in ("fastapi", "uvicorn", "torch") if m in sys.modules))
+            sys.exit(0)
+
+        EngineSpawn.start = start
+        sys.exit(cli.main(["serve", "--model", "demo", "--port", "0", *sys.argv[1:]]) or 3)
+    """)
+    run = subprocess.run([sys.executable, "-c", code, "--engine-nice", "2"], capture_output=True, text=True,
+                         timeout=120)
+    assert (run.returncode, run.stdout) == (0, "demo 2 []\n"), run.stderr
+
+
 class _Pipe:
     """The engine process's result pipe, as bytes: what each message would cost to send, less the cost model's
     snapshot (a fixed size once a second, so whether one lands on a step that also carries a LoadEvent is timing,

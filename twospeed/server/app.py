@@ -9,7 +9,7 @@ is set, unless guard.OPEN_PATHS opens its prefix with a flag.
 Every response carries the split clock and bill: a `twospeed` object in the body (and in the final
 streamed chunk of each choice), a Server-Timing header on non-streaming responses, and in every streamed
 chunk the number of tokens it holds and when the server emitted each. The engine runs in a process of its own
-(engine_process.py), or in AsyncEngine's thread when it was built here.
+(serving/process_engine.py), or in AsyncEngine's thread when it was built here.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ ROUTERS = [routes_openai, routes_ops, routes_dashboard]  # modules with a `route
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None, client=None,
               routers: tuple = ()) -> FastAPI:
     """The FastAPI app. The engine is loaded in the lifespan (so /health is 200 only once it is), unless given.
-    client: serve through this EngineClient instead (serving/engine_client.py); routers: modules whose routes come
+    engine: an LLMEngine built here, or an EngineSpawn (its process started already); client: serve through this EngineClient instead (serving/engine_client.py); routers: modules whose routes come
     before ROUTERS' and so answer their paths instead (the cluster's merged /metrics and /dashboard/data)."""
     server_config.lanes()  # fail at start on a bad --slo, not on the first request
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         source = engine
-        if source is None and server_config.engine_process:  # the engine's own process (engine_process.py) ...
+        if source is None and server_config.engine_process:  # the engine's own process (process_engine.py) ...
             source = engine_config
         elif source is None:  # ... or a thread that builds it (only this brings torch into the server's process)
             from twospeed.engine.engine import LLMEngine
@@ -76,11 +76,12 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=N
 _UVICORN_MARGIN = 2.0
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info",
+               engine=None) -> int:
     """Serve until SIGTERM/SIGINT: then stop admitting, let in-flight requests finish for up to
     shutdown_grace seconds, end the rest (an error event and [DONE] for a stream, 503 otherwise), and
-    return 0."""
-    app = build_app(engine_config, server_config)
+    return 0. engine: as build_app takes it."""
+    app = build_app(engine_config, server_config, engine)
     # asyncio and h11 whatever else is installed (ray[serve] brings uvloop and httptools): the same server either way.
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level,
                             loop="asyncio", http="h11",

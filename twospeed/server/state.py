@@ -18,6 +18,7 @@ from twospeed.config import EngineConfig
 from twospeed.serving.async_engine import AsyncEngine, monotonic_to_unix
 from twospeed.server.config import ServerConfig
 from twospeed.serving.engine_client import EngineClient
+from twospeed.serving.engine_spawn import EngineSpawn
 from twospeed.serving.process_engine import ProcessEngine
 from twospeed.server.errors import APIError
 from twospeed.server.history import History
@@ -35,7 +36,8 @@ class ServerState:
 
     def __init__(self, engine, server_config: ServerConfig, model_name: str, client: EngineClient | None = None):
         """engine: an LLMEngine, or a builder that start() runs in the engine thread (AsyncEngine says why), or an
-        EngineConfig: the engine is built and stepped in a process of its own (engine_process.py).
+        EngineConfig: the engine is built and stepped in a process of its own (serving/process_engine.py), or that
+        process already started (an EngineSpawn).
         client: another EngineClient to serve with instead (engine_client.py; the cluster's router over replicas),
         which then owns the metrics and history its /metrics and /dashboard show."""
         self.engine = None  # the engine's read-only facts once started (an LLMEngine here): config, tokenizer
@@ -49,7 +51,7 @@ class ServerState:
         listeners = [self.metrics.on_event, self.history.on_event]
         if client is not None:
             self.async_engine: EngineClient = client
-        elif isinstance(engine, EngineConfig):
+        elif isinstance(engine, (EngineConfig, EngineSpawn)):
             self.async_engine = ProcessEngine(engine, judge=self._judge, listeners=listeners,
                                               nice=server_config.engine_nice)
         else:

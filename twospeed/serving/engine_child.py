@@ -1,6 +1,6 @@
 """The engine process: the EngineLoop on its main thread, its commands read from a pipe, its results written to one.
 
-Started by ProcessEngine (process_engine.py) as a fresh interpreter (`BOOT`: no torch or OpenMP state is
+Started by EngineSpawn (engine_spawn.py) as a fresh interpreter on its `BOOT` line (no torch or OpenMP state is
 inherited), it builds the LLMEngine, says `Ready` with its facts (engine_view.py), then runs the loop. A reader
 thread passes the commands arriving on the pipe to the loop; it compiles a request's grammar first (the one compile
 it gets), so the loop finds it built, and a grammar that fails is the add's refusal without the loop compiling it.
@@ -71,14 +71,8 @@ class _PipeSink:
         box.cost_profile, self.costs_sent, self.costs_observed = model.profile(), now, model.num_observed
 
 
-# The engine process's command line. Signals first: Ctrl-C and a service manager's SIGTERM reach the whole process
-# group, and the server drains before it stops the engine (or exits, which closes the engine's pipe).
-BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "from twospeed.serving.engine_child import boot; boot()")
-
-
 def boot() -> None:
-    """The engine process's entry (BOOT): its pipes' file descriptors, the server's pid and the niceness to add are
+    """The engine process's entry (engine_spawn.BOOT): its pipes' file descriptors, the server's pid and the niceness to add are
     its arguments, the engine's config the first message."""
     cmd_fd, res_fd, server_pid, nice = (int(a) for a in sys.argv[1:5])
     if nice > 0:

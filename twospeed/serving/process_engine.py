@@ -23,16 +23,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import subprocess
-import sys
 import threading
-from multiprocessing.connection import Connection
-from pathlib import Path
 
 from twospeed.config import EngineConfig
-from twospeed.serving.engine_child import BOOT
 from twospeed.serving.engine_loop import AbortSequences, AddGroup, Judge, judge_safely
+from twospeed.serving.engine_spawn import EngineSpawn
 from twospeed.serving.engine_view import EngineFacts, EngineView, load_tokenizer
 from twospeed.serving.events import FinishEvent, Listener, tell
 from twospeed.serving.process_messages import Outbox, Ready, StartFailed, StopEngine, Stopped, ToEngine
@@ -45,9 +41,11 @@ log = logging.getLogger(__name__)
 class ProcessEngine:
     """EngineClient (serving/engine_client.py) over an engine process."""
 
-    def __init__(self, config: EngineConfig, *, judge: Judge | None = None, listeners: list[Listener] = (),
-                 nice: int = 0):
-        self.config = config
+    def __init__(self, config: EngineConfig | EngineSpawn, *, judge: Judge | None = None,
+                 listeners: list[Listener] = (), nice: int = 0):
+        """config: the engine's, or an engine process already started with it (then `nice` is what it got)."""
+        self._spawn = config if isinstance(config, EngineSpawn) else None
+        self.config = config.config if isinstance(config, EngineSpawn) else config
         self.nice = nice  # added to the engine process's niceness (ServerConfig.engine_nice)
         self._judge = judge
         self.listeners: list[Listener] = list(listeners)  # called on the reader thread, in the engine's order
@@ -69,20 +67,10 @@ class ProcessEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        cmd_recv, cmd_send = os.pipe()
-        res_recv, res_send = os.pipe()
-        # A fresh interpreter on its own entry point, not multiprocessing's spawn: that re-runs the user's main
-        # module in the child, and a script without an `if __name__ == "__main__"` guard would start a server there.
-        paths = (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))  # this very twospeed
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        argv = [sys.executable, "-c", BOOT, str(cmd_recv), str(res_send), str(os.getpid()), str(self.nice)]
-        self._proc = subprocess.Popen(argv, pass_fds=(cmd_recv, res_send), stdin=subprocess.DEVNULL, env=env)
-        os.close(cmd_recv)
-        os.close(res_send)  # only the child's copy stays open: its exit is this side's EOF
-        self._commands = Connection(cmd_send, readable=False)
-        self._commands.send(self.config)
-        results = Connection(res_recv, writable=False)
-        self._reader = threading.Thread(target=self._read, args=(results,), name="twospeed-engine-reader",
+        spawn = self._spawn or EngineSpawn.start(self.config, self.nice)
+        self._spawn = None
+        self._proc, self._commands = spawn.process, spawn.commands
+        self._reader = threading.Thread(target=self._read, args=(spawn.results,), name="twospeed-engine-reader",
                                         daemon=True)
         self._reader.start()
 
