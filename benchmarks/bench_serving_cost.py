@@ -85,7 +85,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="twospeed,vllm")
     ap.add_argument("--levels", default="1,8,32")
-    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream at level 1 (halved at 8, quartered at 32)")
+    ap.add_argument("--tokens", type=int, default=256,
+                    help="tokens per stream at level 1 (halved at 8, quartered at 32)")
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -102,7 +103,8 @@ def main() -> int:
                 row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "level"}
                 rows.append((engine, level, row))
                 print(f"  {engine} c{level}: {row['tok_s']:.1f} tok/s", flush=True)
-    print("\n| engine | streams | out tok/s | CPU ms / token: front | engine | client | front + client, share of 2 cores |")
+    print("\n| engine | streams | out tok/s | CPU ms / token: front | engine | client "
+          "| front + client, share of 2 cores |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for engine, level, r in rows:
         print(f"| {engine} | {level} | {r['tok_s']:.1f} | {r['front_ms']:.3f} | {r['engine_ms']:.2f} | "

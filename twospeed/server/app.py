@@ -38,8 +38,9 @@ ROUTERS = [routes_openai, routes_ops, routes_dashboard]  # modules with a `route
 def build_app(engine_config: EngineConfig, server_config: ServerConfig, engine=None, client=None,
               routers: tuple = ()) -> FastAPI:
     """The FastAPI app. The engine is loaded in the lifespan (so /health is 200 only once it is), unless given.
-    engine: an LLMEngine built here, or an EngineSpawn (its process started already); client: serve through this EngineClient instead (serving/engine_client.py); routers: modules whose routes come
-    before ROUTERS' and so answer their paths instead (the cluster's merged /metrics and /dashboard/data)."""
+    engine: an LLMEngine built here, or an EngineSpawn (its process started already); client: serve through this
+    EngineClient instead (serving/engine_client.py); routers: modules whose routes come before ROUTERS' and so
+    answer their paths instead (the cluster's merged /metrics and /dashboard/data)."""
     server_config.lanes()  # fail at start on a bad --slo, not on the first request
 
     @contextlib.asynccontextmanager

@@ -72,8 +72,8 @@ class _PipeSink:
 
 
 def boot() -> None:
-    """The engine process's entry (engine_spawn.BOOT): its pipes' file descriptors, the server's pid and the niceness to add are
-    its arguments, the engine's config the first message."""
+    """The engine process's entry (engine_spawn.BOOT): its pipes' file descriptors, the server's pid and the niceness
+    to add are its arguments, the engine's config the first message."""
     cmd_fd, res_fd, server_pid, nice = (int(a) for a in sys.argv[1:5])
     if nice > 0:
         os.nice(nice)

@@ -7,8 +7,8 @@ is ready about a second sooner. Only light imports here, for the same reason.
 
 The process is a fresh interpreter on engine_child.py's entry point, not multiprocessing's spawn: that re-runs the
 user's main module in the child, and a script without an `if __name__ == "__main__"` guard would start a server
-there. It inherits no torch or OpenMP state. Only the child's ends of the pipes stay open in the child, so its exit
-is this side's EOF, and this process's exit closes the child's command pipe (the child then stops).
+there, and it inherits no torch or OpenMP state. This side closes its copies of the child's pipe ends, so the
+child's exit is this side's EOF, and this process's exit closes the child's command pipe (the child then stops).
 """
 
 from __future__ import annotations
