@@ -214,9 +214,9 @@ def test_merged_metrics_equal_the_replicas_own(cluster):
 
 
 def test_the_dashboard_shows_the_replicas(cluster, tmp_path_factory):
-    from test_dashboard_browser import CHROMIUM, FLAGS, _why_no_browser
+    from browser_harness import CHROMIUM, FLAGS, why_no_browser
 
-    if why := _why_no_browser():
+    if why := why_no_browser():
         pytest.skip(why)
     from playwright.sync_api import sync_playwright
 

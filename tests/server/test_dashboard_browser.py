@@ -14,8 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
 from urllib.parse import urlsplit
@@ -23,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from test_dashboard import histogram_quantile, hq_tolerance
+from browser_harness import CHROMIUM, FLAGS, why_no_browser
 from server_harness import ServerProcess, metric_sum, parse_metrics
 
 from twospeed.engine.request import percentile
@@ -34,19 +33,6 @@ KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LANES = ("chat", "batch")
 PER_LANE = 8
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def _why_no_browser() -> str | None:
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed (pip install -e '.[test]')"
-    if not os.path.exists(CHROMIUM):
-        return "no Chromium at /usr/bin/chromium (Debian: apt-get install chromium; .ci/run does)"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +103,7 @@ def test_static_files_are_only_the_listed_ones(server):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """One Chromium for the module, with the key as HTTP credentials; every URL it asks for is recorded."""
-    why = _why_no_browser()
+    why = why_no_browser()
     if why:
         pytest.skip(why)
     from playwright.sync_api import sync_playwright
