@@ -31,16 +31,9 @@ sys.path.insert(0, str(HERE / "peers"))
 from run_peers import machine  # noqa: E402
 from serve import command_for, free_port, launch, served_name  # noqa: E402
 
+from twospeed.engine.threads import process_cpu  # noqa: E402
+
 PROMPT = list(range(100, 164))
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def descendants(pid: int) -> list[int]:
@@ -67,13 +60,13 @@ async def streams(url: str, model: str, level: int, tokens: int) -> int:
 
 
 def measure(server, level: int, tokens: int) -> dict:
-    front = server.process.pid
+    front, hz = server.process.pid, os.sysconf("SC_CLK_TCK")
     engine = descendants(front)
-    before = {p: cpu_seconds(p) for p in [front, *engine]}
+    before = {p: process_cpu(p, hz) for p in [front, *engine]}
     own, wall = os.times(), time.perf_counter()
     events = asyncio.run(streams(server.url, server.model, level, tokens))
     wall, own2 = time.perf_counter() - wall, os.times()
-    spent = {p: cpu_seconds(p) - before[p] for p in before}
+    spent = {p: process_cpu(p, hz) - before[p] for p in before}
     client = (own2.user + own2.system) - (own.user + own.system)
     n = level * tokens
     return {"level": level, "tok_s": n / wall, "events": events, "front_ms": spent[front] / n * 1e3,

@@ -50,10 +50,10 @@ def read_sample(family: tuple[int, ...] = ()) -> CpuSample | None:
     hz = os.sysconf("SC_CLK_TCK")
     busy = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / hz
     t = os.times()
-    return CpuSample(time.monotonic(), busy, t.user + t.system + sum(_process_cpu(pid, hz) for pid in family))
+    return CpuSample(time.monotonic(), busy, t.user + t.system + sum(process_cpu(pid, hz) for pid in family))
 
 
-def _process_cpu(pid: int, hz: int) -> float:
+def process_cpu(pid: int, hz: int) -> float:
     """CPU seconds (user + system) process `pid` has used; 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
